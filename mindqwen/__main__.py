@@ -1,0 +1,5 @@
+import sys
+
+from mindqwen.cli import main
+
+sys.exit(main())

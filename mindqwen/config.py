@@ -1,0 +1,268 @@
+"""QwenConfig: the shape and numerics of a Qwen2 / Qwen2.5 / Qwen3 decoder.
+
+Lenient with HF ``config.json`` (unknown keys are ignored, both rope-theta spellings are read),
+strict with values: inconsistent shapes raise ``ConfigError`` naming the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+# HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture.
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+
+
+class ConfigError(ValueError):
+    """An invalid or unsupported model configuration."""
+
+
+@dataclass
+class QwenConfig:
+    """Hyper-parameters of a Qwen causal LM. Defaults are Qwen2.5-0.5B.
+
+    Attributes:
+        model_type: "qwen2" (Qwen2, Qwen2.5) or "qwen3".
+        head_dim: per-head width; ``None`` means ``hidden_size // num_attention_heads``.
+            Qwen3 sets it explicitly, so ``num_attention_heads * head_dim`` may differ from
+            ``hidden_size``.
+        qkv_bias: bias on q/k/v projections (Qwen2: always; Qwen3: ``attention_bias``).
+        o_bias: bias on the output projection (Qwen3 ``attention_bias`` only).
+        qk_norm: RMSNorm over ``head_dim`` on queries and keys before RoPE (Qwen3).
+        rope_scaling: ``None`` or an HF dict with ``rope_type`` in default | linear | dynamic | yarn.
+        use_sliding_window / sliding_window / max_window_layers / layer_types: HF semantics; layers
+            whose type is "sliding_attention" let a query at position q see keys k with
+            ``q - sliding_window < k <= q``.
+    """
+
+    vocab_size: int = 151936
+    hidden_size: int = 896
+    intermediate_size: int = 4864
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+    model_type: str = "qwen2"
+    qkv_bias: bool = True
+    o_bias: bool = False
+    qk_norm: bool = False
+    use_sliding_window: bool = False
+    sliding_window: Optional[int] = None
+    max_window_layers: int = 28
+    layer_types: Optional[List[str]] = None
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Any] = None
+    pad_token_id: Optional[int] = None
+    # Derived in __post_init__ (not constructor arguments).
+    n_rep: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.model_type not in ARCHITECTURES.values():
+            raise ConfigError(f"model_type must be one of {sorted(set(ARCHITECTURES.values()))}, "
+                              f"got {self.model_type!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads}; set head_dim explicitly or fix the head count")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ConfigError(f"head_dim must be a positive even integer (RoPE rotates pairs), "
+                              f"got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads="
+                f"{self.num_attention_heads} (grouped-query attention)")
+        self.n_rep = self.num_attention_heads // self.num_key_value_heads
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        self._check_rope_scaling()
+        self._check_sliding_window()
+
+    def _check_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        rope_type = rs.get("rope_type", rs.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
+                              f"supported: {', '.join(ROPE_TYPES)}")
+        needs_factor = rope_type in ("linear", "dynamic") or (
+            rope_type == "yarn" and not rs.get("original_max_position_embeddings"))
+        if needs_factor and not (rs.get("factor") or 0) >= 1:
+            raise ConfigError(f"rope_scaling.factor must be >= 1 for rope_type={rope_type!r}, "
+                              f"got {rs.get('factor')!r}")
+        self.rope_scaling = {**rs, "rope_type": rope_type}
+
+    def _check_sliding_window(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [
+                "sliding_attention" if self.use_sliding_window and i >= self.max_window_layers
+                else "full_attention" for i in range(self.num_hidden_layers)]
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries but "
+                              f"num_hidden_layers={self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ConfigError(f"layer_types: unsupported attention type(s) {bad}")
+        if not self.use_sliding_window:
+            # HF ignores sliding fields unless use_sliding_window is true.
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        elif "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ConfigError("use_sliding_window is true but sliding_window is not a positive "
+                              f"integer (got {self.sliding_window!r})")
+
+    # ------------------------------------------------------------------ rotary tables
+    def rope_inv_freq(self) -> tuple:
+        """Inverse frequencies [head_dim/2] (float32) and the attention scaling of the rotary table.
+
+        Follows transformers' ``ROPE_INIT_FUNCTIONS``; ``dynamic`` rescales the base at run time
+        (see ``models/qwen.py``), so here it returns the unscaled table.
+        """
+        d = self.head_dim
+        exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+        inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
+        rs = self.rope_scaling or {"rope_type": "default"}
+        rope_type = rs["rope_type"]
+        if rope_type == "linear":
+            return (inv_freq / np.float32(rs["factor"])).astype(np.float32), 1.0
+        if rope_type == "yarn":
+            return _yarn(self, rs)
+        return inv_freq, 1.0
+
+    # ------------------------------------------------------------------ HF interop
+    @classmethod
+    def from_hf(cls, path_or_dict: Any) -> "QwenConfig":
+        """Build from an HF ``config.json`` (path, folder or dict). Unknown keys are ignored.
+
+        Reads ``rope_theta`` from the top level (transformers 4) or from
+        ``rope_parameters.rope_theta`` (transformers 5).
+        """
+        src = path_or_dict
+        if isinstance(src, (str, os.PathLike)):
+            path = os.path.join(src, "config.json") if os.path.isdir(src) else str(src)
+            if not os.path.isfile(path):
+                raise ConfigError(f"{path}: config file not found")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        else:
+            path, hf = "<dict>", dict(src)
+        archs = hf.get("architectures") or []
+        model_type = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        model_type = model_type or (hf.get("model_type") if hf.get("model_type") in
+                                    ARCHITECTURES.values() else None)
+        if model_type is None:
+            raise ConfigError(f"{path}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+        rope_params = dict(hf.get("rope_parameters") or {})
+        rope_theta = rope_params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_scaling = hf.get("rope_scaling") or (rope_params or None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        attention_bias = bool(hf.get("attention_bias", False))
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        kwargs = {k: v for k, v in hf.items() if k in known}
+        kwargs.update(model_type=model_type, rope_theta=float(rope_theta), rope_scaling=rope_scaling)
+        if model_type == "qwen3":
+            kwargs.update(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+        else:
+            kwargs.update(qkv_bias=True, o_bias=False, qk_norm=False)
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_hf(self) -> Dict[str, Any]:
+        """An HF ``config.json`` dict that transformers 4 and 5 both load unchanged."""
+        arch = {v: k for k, v in ARCHITECTURES.items()}[self.model_type]
+        rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}),
+                           "rope_theta": self.rope_theta}
+        hf = {
+            "architectures": [arch], "model_type": self.model_type, "hidden_act": "silu",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            # Both spellings: transformers 4 reads rope_theta/rope_scaling, 5 reads rope_parameters.
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_sliding_window": self.use_sliding_window, "sliding_window": self.sliding_window,
+            "max_window_layers": self.max_window_layers, "layer_types": self.layer_types,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "attention_dropout": 0.0, "use_cache": True,
+        }
+        if self.model_type == "qwen3":
+            hf.update(head_dim=self.head_dim, attention_bias=self.qkv_bias)
+        return hf
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "QwenConfig":
+        """A published model shape by name (see ``mindqwen.presets.PRESETS``), with overrides."""
+        from mindqwen.presets import PRESETS
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def _yarn(cfg: QwenConfig, rs: Dict[str, Any]) -> tuple:
+    """YaRN inverse frequencies and attention factor (transformers ``_compute_yarn_parameters``)."""
+    base, dim = cfg.rope_theta, cfg.head_dim
+    original_max = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    # As transformers 5: the ratio of the two lengths stands in only for a missing factor.
+    factor = rs.get("factor") or cfg.max_position_embeddings / original_max
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = (1 - ramp).astype(np.float32)
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32)
+                                     / np.float32(dim))
+    inv_extrapolation = 1.0 / pos_freqs
+    inv_interpolation = 1.0 / (np.float32(factor) * pos_freqs)
+    inv_freq = (inv_interpolation * (1 - extrapolation_factor)
+                + inv_extrapolation * extrapolation_factor)
+    return inv_freq.astype(np.float32), float(attention_factor)

@@ -1,0 +1,220 @@
+"""HF checkpoint folders ⇄ ``QwenForCausalLM``.
+
+A folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``. Since mindqwen parameter names equal HF names, loading is the
+identity map plus :func:`sanitize` (stale rotary buffers, a stored copy of a tied head).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from contextlib import nullcontext
+from typing import Dict, List, Optional, Tuple
+
+import mindspore as ms
+import numpy as np
+from tqdm import tqdm
+
+from mindqwen.config import QwenConfig
+from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
+from mindqwen.models.qwen import QwenForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": (ms.float32, np.float32), "float16": (ms.float16, np.float16),
+          "bfloat16": (ms.bfloat16, np.float32)}
+_STALE = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+try:  # skips random init of weights that the checkpoint replaces (one copy of the model in RAM)
+    from mindspore.nn.utils import no_init_parameters
+except ImportError:  # pragma: no cover - removed in a later MindSpore
+    no_init_parameters = nullcontext
+
+
+def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
+    """Map every tensor key of an HF folder to its opened (lazily read) safetensors file."""
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    index_path, single_path = os.path.join(folder, INDEX_FILE), os.path.join(folder, SINGLE_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from None
+        files = {name: SafetensorsFile(os.path.join(folder, name)) for name in sorted(set(weight_map.values()))}
+        for key, name in weight_map.items():
+            if key not in files[name]:
+                raise CheckpointError(f"{os.path.join(folder, name)}: tensor {key} listed in "
+                                      f"{INDEX_FILE} is not in the file")
+        return {key: files[name] for key, name in weight_map.items()}
+    if os.path.isfile(single_path):
+        f = SafetensorsFile(single_path)
+        return {key: f for key in f.keys()}
+    others = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".ckpt"))]
+    hint = f" (found {', '.join(sorted(others))}: convert it to safetensors first)" if others else ""
+    raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def sanitize(keys: List[str], config: QwenConfig) -> Dict[str, str]:
+    """Checkpoint key → model parameter name, dropping keys the model rightly does not have.
+
+    Drops stale ``rotary_emb.inv_freq`` buffers (old checkpoints) and, for tied models, a stored
+    ``lm_head.weight`` (Qwen3 tied checkpoints store both; the embedding is authoritative).
+    """
+    return {k: k for k in keys
+            if not _STALE.match(k) and not (config.tie_word_embeddings and k == "lm_head.weight")}
+
+
+def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True) -> Tuple[List[str], List[str]]:
+    """Load an HF folder's tensors into ``model`` by name, checking keys and shapes.
+
+    Args:
+        model: a ``QwenForCausalLM`` (or a Cell whose parameter names are HF names).
+        folder: HF checkpoint folder.
+        strict: raise on missing or unexpected keys (else return them).
+
+    Returns:
+        (missing, unexpected) key lists (empty when ``strict``).
+
+    Raises:
+        CheckpointError: naming the file and the key(s).
+    """
+    files = open_checkpoint(folder)
+    config: QwenConfig = model.config
+    names = sanitize(list(files), config)
+    params = {p.name: p for p in model.get_parameters()}
+    missing = sorted(set(params) - set(names.values()))
+    unexpected = sorted(k for k, n in names.items() if n not in params)
+    if strict and (missing or unexpected):
+        parts = [f"missing keys {_short(missing)}" if missing else "",
+                 f"unexpected keys {_short(unexpected)}" if unexpected else ""]
+        raise CheckpointError(f"{folder}: checkpoint does not match the "
+                              f"{config.model_type} config: " + "; ".join(p for p in parts if p))
+    for key, name in tqdm(sorted(names.items()), desc="loading", unit="tensor", leave=False,
+                          disable=len(names) < 64):
+        if name not in params:
+            continue
+        p, f = params[name], files[key]
+        if tuple(f.shape(key)) != tuple(p.shape):
+            raise CheckpointError(f"{f.path}: tensor {key} has shape {list(f.shape(key))}, "
+                                  f"the model expects {list(p.shape)}")
+        np_dtype = np.float16 if p.dtype == ms.float16 else np.float32
+        p.set_data(ms.Tensor.from_numpy(f.get(key, np_dtype)).astype(p.dtype))
+    return missing, unexpected
+
+
+def from_pretrained(folder: str, dtype: str = "float32") -> QwenForCausalLM:
+    """Build a ``QwenForCausalLM`` from an HF folder (config.json + safetensors).
+
+    Args:
+        folder: HF checkpoint folder (single file or sharded with an index).
+        dtype: parameter dtype: "float32", "float16" or "bfloat16" (not on CPU, which has no
+            bf16 kernels). bf16 files widen to fp32 exactly.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
+        raise ValueError("dtype='bfloat16' cannot compute on CPU (MindSpore has no bf16 CPU "
+                         "kernels); load with dtype='float32'")
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    config = QwenConfig.from_hf(folder)
+    with no_init_parameters():
+        model = QwenForCausalLM(config, dtype=DTYPES[dtype][0])
+    load_weights(model, folder)
+    return model
+
+
+def save_pretrained(model: QwenForCausalLM, folder: str, dtype: Optional[str] = None,
+                    max_shard_size: str = "5GB") -> None:
+    """Write ``model`` as an HF folder: config.json and safetensors, sharded above the limit.
+
+    Files are staged in a temporary folder and moved into place, the index last, so an
+    interrupted save never leaves a folder that loads as complete but is not.
+
+    Args:
+        dtype: stored dtype ("float32", "float16", "bfloat16"); default: the parameters' dtype.
+        max_shard_size: e.g. "5GB", "200MB" or a byte count.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    limit = parse_size(max_shard_size)
+    tensors = {name: _lazy(p, dtype) for name, p in _state(model)}
+    shards: List[Dict[str, LazyTensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = int(np.prod(t.shape)) * (2 if dtype == "bfloat16" else t.dtype.itemsize)
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    os.makedirs(folder, exist_ok=True)
+    stage = os.path.join(folder, f".tmp-save-{os.getpid()}")
+    os.makedirs(stage, exist_ok=True)
+    try:
+        hf_config = model.config.to_hf()
+        hf_config["torch_dtype"] = dtype or _dtype_name(next(iter(tensors.values())).dtype)
+        _write_json(os.path.join(stage, "config.json"), hf_config)
+        names = ([SINGLE_FILE] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        for name, shard in tqdm(list(zip(names, shards)), desc="saving", unit="shard",
+                                disable=len(shards) == 1):
+            save_file(shard, os.path.join(stage, name), bf16=dtype == "bfloat16")
+        if len(shards) > 1:
+            total = sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in tensors.values())
+            weight_map = {k: n for n, shard in zip(names, shards) for k in shard}
+            _write_json(os.path.join(stage, INDEX_FILE),
+                        {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written = names + ["config.json"] + ([INDEX_FILE] if len(shards) > 1 else [])
+        stale = [SINGLE_FILE, INDEX_FILE] + [n for n in os.listdir(folder)
+                                             if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)]
+        for name in stale:  # a previous save in another layout must not shadow this one
+            if os.path.exists(os.path.join(folder, name)) and name not in written:
+                os.remove(os.path.join(folder, name))
+        for name in written:  # the index (or the single file) lands last
+            os.replace(os.path.join(stage, name), os.path.join(folder, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _state(model: ms.nn.Cell):
+    """(HF name, Parameter) of the base model, in order."""
+    return [(p.name, p) for p in model.get_parameters()]
+
+
+def _lazy(p: ms.Parameter, dtype: Optional[str]) -> LazyTensor:
+    np_dtype = np.dtype(DTYPES[dtype][1] if dtype else
+                        (np.float16 if p.dtype == ms.float16 else np.float32))
+
+    def load() -> np.ndarray:
+        return p.astype(ms.float32).asnumpy().astype(np_dtype)
+    return LazyTensor(tuple(p.shape), np_dtype, load)
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return {np.dtype(np.float16): "float16"}.get(np.dtype(dtype), "float32")
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def parse_size(size) -> int:
+    """'5GB' / '200MB' / '10KB' / int → bytes (decimal units, as HF uses)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size must look like '5GB', '200MB' or a byte count, got {size!r}")
+    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[m.group(2)])
+
+
+def _short(keys: List[str], n: int = 6) -> str:
+    more = f" … (+{len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more

@@ -1,0 +1,155 @@
+"""Lazy safetensors reading and atomic, streaming writing, with exact bf16 handling.
+
+Reading parses the header itself and memory-maps the data, so a tensor is read only when asked
+for and a model is never held twice. bf16 becomes fp32 by a 16-bit shift (exact); fp32 becomes
+bf16 by round-to-nearest-even. Written files appear under their final name only when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Tuple, Union
+
+import numpy as np
+
+# safetensors dtype tag -> numpy storage dtype (bf16 is stored as its raw uint16 bits).
+_STORAGE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+            "BOOL": np.bool_}
+_TAG = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+        np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16",
+        np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or folder that cannot be read or does not fit the model."""
+
+
+def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    """Raw bf16 bits (uint16) → float32, exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 → raw bf16 bits (uint16), rounding to nearest, ties to even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (((u >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+class SafetensorsFile:
+    """Header of one safetensors file, with tensors read on demand from a memory map.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, truncated or its header is corrupt.
+    """
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        if not os.path.isfile(self.path):
+            raise CheckpointError(f"{self.path}: file not found")
+        size = os.path.getsize(self.path)
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path}: truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(f"{self.path}: corrupt or truncated safetensors header "
+                                      f"(header length {n}, file size {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + n
+        self._entries: Dict[str, Tuple[str, Tuple[int, ...], int, int]] = {}
+        for key, e in header.items():
+            try:
+                dtype, shape, (start, end) = e["dtype"], tuple(e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {key}") from None
+            if dtype not in _STORAGE:
+                raise CheckpointError(f"{self.path}: tensor {key} has unsupported dtype {dtype}")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORAGE[dtype]).itemsize
+            if end - start != nbytes or start < 0:
+                raise CheckpointError(f"{self.path}: tensor {key} has {end - start} bytes, "
+                                      f"its shape {list(shape)} and dtype {dtype} need {nbytes}")
+            if self._data_start + end > size:
+                raise CheckpointError(f"{self.path}: truncated file: tensor {key} ends at byte "
+                                      f"{self._data_start + end}, the file has {size}")
+            self._entries[key] = (dtype, shape, start, end)
+        self._mmap: Optional[np.memmap] = None
+
+    def keys(self) -> Iterable[str]:
+        return self._entries.keys()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def shape(self, key: str) -> Tuple[int, ...]:
+        return self._entries[key][1]
+
+    def dtype(self, key: str) -> str:
+        return self._entries[key][0]
+
+    def raw(self, key: str) -> np.ndarray:
+        """The stored array (bf16 as uint16 bits), a read-only view of the memory map."""
+        dtype, shape, start, end = self._entries[key]
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        buf = self._mmap[self._data_start + start:self._data_start + end]
+        return buf.view(_STORAGE[dtype]).reshape(shape)
+
+    def get(self, key: str, dtype=np.float32) -> np.ndarray:
+        """Tensor ``key`` as a new array of ``dtype`` (floats; bf16 widened exactly)."""
+        arr = self.raw(key)
+        if self.dtype(key) == "BF16":
+            arr = bf16_bits_to_fp32(arr)
+        return np.array(arr, dtype=dtype)
+
+
+class LazyTensor(NamedTuple):
+    """A tensor known by shape and dtype, read only when written (``load()``)."""
+    shape: Tuple[int, ...]
+    dtype: np.dtype
+    load: Callable[[], np.ndarray]
+
+
+def save_file(tensors: Mapping[str, Union[np.ndarray, LazyTensor]], path: str,
+              metadata: Optional[Dict[str, str]] = None, bf16: bool = False) -> None:
+    """Write tensors to ``path`` atomically (temp file, fsync, rename).
+
+    ``LazyTensor`` values are loaded one at a time while writing, so peak memory stays near the
+    largest tensor. With ``bf16=True`` floating tensors are stored as bf16 (round to nearest even).
+    """
+    header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, t in tensors.items():
+        dtype = np.dtype(t.dtype)
+        tag = "BF16" if bf16 and np.issubdtype(dtype, np.floating) else _TAG.get(dtype)
+        if tag is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        nbytes = int(np.prod(t.shape, dtype=np.int64)) * (2 if tag == "BF16" else dtype.itemsize)
+        header[name] = {"dtype": tag, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for name, t in tensors.items():
+                arr = t.load() if isinstance(t, LazyTensor) else t
+                if header[name]["dtype"] == "BF16":
+                    arr = fp32_to_bf16_bits(arr)
+                f.write(np.ascontiguousarray(arr).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

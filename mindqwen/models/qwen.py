@@ -1,0 +1,316 @@
+"""Qwen2 / Qwen2.5 / Qwen3 causal LM as MindSpore Cells, read top to bottom.
+
+Parameter names equal HF's (``model.layers.0.self_attn.q_proj.weight`` …), so an HF checkpoint
+loads through the identity key map. ``construct`` methods are tensor math only; every check
+lives in ``QwenConfig.__post_init__``. Runs in GRAPH_MODE and PYNATIVE_MODE.
+
+Numerics follow HF: RMSNorm and rotary in fp32, attention softmax in fp32, loss in fp32; the
+matmuls run in the parameters' dtype. On Ascend the fused kernels (``ops.rms_norm``,
+``ops.flash_attention_score``) replace the hand-written RMSNorm and attention; on CPU, where
+they do not exist, the hand-written path is used.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from mindqwen.config import QwenConfig
+
+# Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
+# then softmaxes to a uniform row instead of NaN.
+MASK_VALUE = -1e9
+IGNORE_INDEX = -100
+INIT_STD = 0.02
+
+
+def default_use_fused_ops() -> bool:
+    """Fused Ascend kernels are used only when MindSpore targets Ascend."""
+    return ms.get_context("device_target") == "Ascend"
+
+
+class Linear(nn.Cell):
+    """y = x·Wᵀ + b with the HF layout ``weight`` [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype=ms.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(initializer(Normal(INIT_STD), (out_features, in_features), dtype),
+                                name="weight")
+        self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
+        self.matmul = ops.MatMul(transpose_b=True)  # no transposed copy of the weight
+
+    def construct(self, x):
+        y = self.matmul(x.reshape(-1, self.in_features), self.weight)  # (B*S, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=ms.float32):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(INIT_STD), (vocab_size, hidden_size), dtype),
+                                name="weight")
+
+    def construct(self, input_ids):
+        return ops.gather(self.weight, input_ids, 0)  # (B, S, H)
+
+
+class RMSNorm(nn.Cell):
+    """weight · x / sqrt(mean(x²) + eps), computed in fp32 and cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, dtype=ms.float32, use_fused_ops: bool = False):
+        super().__init__()
+        self.weight = Parameter(initializer("ones", (dim,), dtype), name="weight")
+        self.eps, self.use_fused_ops = eps, use_fused_ops
+
+    def construct(self, x):
+        if self.use_fused_ops:
+            return ops.rms_norm(x, self.weight, self.eps)[0]
+        x32 = x.astype(ms.float32)
+        y = x32 * ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + self.eps)
+        return self.weight * y.astype(x.dtype)
+
+
+class RotaryEmbedding(nn.Cell):
+    """cos/sin tables (B, 1, S, D) for the HF rotate-half convention, in fp32.
+
+    The tables are computed once in float64 and rounded, then gathered by position: MindSpore's
+    CPU ``cos``/``sin`` are off by up to ~4e-6, which alone costs more than the 1e-5 parity budget.
+    ``dynamic`` NTK scaling stretches the base when the longest position exceeds
+    ``max_position_embeddings``, so it is computed in the graph per call (stateless, unlike HF's
+    cached buffer).
+    """
+
+    def __init__(self, config: QwenConfig, max_len: Optional[int] = None):
+        """max_len: table length, default ``max_position_embeddings`` (the longest position)."""
+        super().__init__()
+        inv_freq, scaling = config.rope_inv_freq()
+        positions = np.arange(max_len or config.max_position_embeddings, dtype=np.float32)
+        freqs = np.concatenate([np.outer(positions, inv_freq)] * 2, -1)  # fp32 angles, as HF
+        self.cos_table = Tensor((np.cos(freqs.astype(np.float64)) * scaling).astype(np.float32))
+        self.sin_table = Tensor((np.sin(freqs.astype(np.float64)) * scaling).astype(np.float32))
+        rs = config.rope_scaling or {}
+        self.dynamic = rs.get("rope_type") == "dynamic"
+        self.factor = float(rs.get("factor", 1.0))
+        self.max_positions = float(config.max_position_embeddings)
+        self.theta = float(config.rope_theta)
+        d = config.head_dim
+        self.exponent = Tensor(np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+        self.base_power = d / (d - 2)
+
+    def construct(self, position_ids):
+        """position_ids (B, S) int32 → cos, sin (B, 1, S, D) fp32."""
+        if self.dynamic:
+            pos = position_ids.astype(ms.float32)
+            seq_len = ops.maximum(pos.max() + 1, self.max_positions)
+            base = self.theta * ops.pow(self.factor * seq_len / self.max_positions
+                                        - (self.factor - 1), self.base_power)
+            freqs = pos.expand_dims(-1) / ops.pow(base, self.exponent)  # (B, S, D/2)
+            emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # (B, 1, S, D)
+            return ops.cos(emb), ops.sin(emb)
+        cos = ops.gather(self.cos_table, position_ids, 0)  # (B, S, D)
+        sin = ops.gather(self.sin_table, position_ids, 0)
+        return cos.expand_dims(1), sin.expand_dims(1)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return ops.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def apply_rotary(x, cos, sin):
+    x32 = x.astype(ms.float32)
+    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+
+
+class Attention(nn.Cell):
+    """Grouped-query attention with optional qkv bias (Qwen2) and q/k RMSNorm (Qwen3).
+
+    The n_rep query heads that share one KV head are stacked along the sequence axis, so a
+    single batched matmul serves the whole group and K/V are never copied n_rep times:
+
+        q (B, N, S, D) ──reshape──► (B, KV, n_rep·S, D) ─┐
+        k (B, KV, S, D) ────────────────────────────────┴─► scores (B, KV, n_rep·S, S)
+        scores ─► (B, KV, n_rep, S, S) + mask (B, 1, 1, S, S) ─► softmax (fp32)
+        probs (B, KV, n_rep·S, S) · v (B, KV, S, D) ─► (B, KV, n_rep·S, D) ─► (B, N, S, D)
+
+    Head h uses KV head h // n_rep, as HF's ``repeat_kv`` does.
+    """
+
+    def __init__(self, config: QwenConfig, layer_idx: int, dtype=ms.float32,
+                 use_fused_ops: bool = False):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, d)
+        self.n_rep = config.n_rep
+        self.q_proj = Linear(h, self.num_heads * d, config.qkv_bias, dtype)
+        self.k_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, dtype)
+        self.v_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, dtype)
+        self.o_proj = Linear(self.num_heads * d, h, config.o_bias, dtype)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, use_fused_ops)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, use_fused_ops)
+        self.sliding = config.layer_types[layer_idx] == "sliding_attention"
+        # Flash attention has no sliding-window mask input here: those layers stay hand-written.
+        self.use_flash = use_fused_ops and not self.sliding
+        self.scale = d ** -0.5
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+
+    def construct(self, x, cos, sin, mask):
+        """x (B, S, H); cos/sin (B, 1, S, D); mask (B, 1, S, S) bool, True = not attended."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, N, D)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)  # (B, S, KV, D)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)  # (B, N, S, D)
+        k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)  # (B, KV, S, D)
+        v = v.transpose(0, 2, 1, 3)  # (B, KV, S, D)
+        if self.use_flash:
+            out = ops.flash_attention_score(q, k, v, self.num_heads, attn_mask=mask.astype(ms.uint8),
+                                            scalar_value=self.scale, input_layout="BNSD")
+        else:
+            out = self._attend(q, k, v, mask)
+        out = out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim)
+        return self.o_proj(out)  # (B, S, H)
+
+    def _attend(self, q, k, v, mask):
+        b, _, s, d = q.shape
+        t = k.shape[2]
+        q = q.reshape(b, self.num_kv_heads, self.n_rep * s, d)  # (B, KV, n_rep·S, D)
+        scores = self.bmm_qk(q, k).astype(ms.float32) * self.scale  # (B, KV, n_rep·S, T)
+        scores = scores.reshape(b, self.num_kv_heads, self.n_rep, s, t)
+        scores = ops.masked_fill(scores, mask.expand_dims(1), MASK_VALUE)
+        probs = ops.softmax(scores, -1).astype(v.dtype)
+        out = ops.matmul(probs.reshape(b, self.num_kv_heads, self.n_rep * s, t), v)
+        return out.reshape(b, self.num_heads, s, d)  # (B, N, S, D)
+
+
+class MLP(nn.Cell):
+    """SwiGLU: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, config: QwenConfig, dtype=ms.float32):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, i, False, dtype)
+        self.up_proj = Linear(h, i, False, dtype)
+        self.down_proj = Linear(i, h, False, dtype)
+
+    def construct(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, config: QwenConfig, layer_idx: int, dtype=ms.float32,
+                 use_fused_ops: bool = False):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
+        self.self_attn = Attention(config, layer_idx, dtype, use_fused_ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
+        self.mlp = MLP(config, dtype)
+
+    def construct(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class QwenModel(nn.Cell):
+    """Embeddings → decoder layers → final RMSNorm."""
+
+    def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: bool = False):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.CellList([DecoderLayer(config, i, dtype, use_fused_ops)
+                                   for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.sliding_window = config.sliding_window or 0
+
+    def construct(self, input_ids, attention_mask=None, output_hidden_states=False):
+        """input_ids (B, S) int32; attention_mask (B, S), 1 = token, 0 = padding (left or right).
+
+        Returns the normed last hidden state (B, S, H), and with ``output_hidden_states`` also
+        the tuple HF returns: embeddings, the input of every later layer, the normed output.
+        """
+        b, s = input_ids.shape
+        idx = ops.arange(0, s, dtype=ms.int32)
+        masked = idx.reshape(1, s) > idx.reshape(s, 1)  # (S_q, S_k): future keys
+        if attention_mask is None:
+            position_ids = ops.broadcast_to(idx.reshape(1, s), (b, s))
+            masked = ops.broadcast_to(masked.reshape(1, 1, s, s), (b, 1, s, s))
+        else:
+            # Positions count real tokens only, so a left-padded row equals its unpadded self.
+            keep = attention_mask.astype(ms.int32)
+            position_ids = ops.maximum(ops.cumsum(keep, 1) - 1, 0)
+            masked = ops.logical_or(masked.reshape(1, 1, s, s), (keep == 0).reshape(b, 1, 1, s))
+        window_masked = masked
+        if self.sliding_window > 0:
+            too_old = idx.reshape(s, 1) - idx.reshape(1, s) >= self.sliding_window
+            window_masked = ops.logical_or(masked, too_old.reshape(1, 1, s, s))
+        cos, sin = self.rotary_emb(position_ids)
+
+        x = self.embed_tokens(input_ids)
+        hidden_states = ()
+        for layer in self.layers:
+            hidden_states = hidden_states + (x,)
+            x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
+        x = self.norm(x)
+        if output_hidden_states:
+            return x, hidden_states + (x,)
+        return x
+
+
+class QwenForCausalLM(nn.Cell):
+    """Qwen decoder with a language-model head (tied to the embeddings or separate).
+
+    ``model(input_ids)`` returns logits (B, S, V); ``model(input_ids, labels=labels)`` returns
+    the mean next-token cross-entropy with HF shift semantics (labels -100 are ignored).
+    """
+
+    def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None):
+        super().__init__()
+        self.config = config
+        if use_fused_ops is None:
+            use_fused_ops = default_use_fused_ops()
+        self.model = QwenModel(config, dtype, use_fused_ops)
+        self.tied = config.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.head_matmul = ops.MatMul(transpose_b=True)
+        self.vocab_size = config.vocab_size
+
+    def construct(self, input_ids, attention_mask=None, labels=None):
+        h = self.model(input_ids, attention_mask)
+        logits = self.logits(h)
+        if labels is None:
+            return logits
+        return self.loss(logits, labels)
+
+    def logits(self, h):
+        """h (B, S, H) → logits (B, S, V)."""
+        if self.tied:
+            w = self.model.embed_tokens.weight
+            return self.head_matmul(h.reshape(-1, h.shape[-1]), w).reshape(h.shape[:-1] + (-1,))
+        return self.lm_head(h)
+
+    def loss(self, logits, labels):
+        """Mean cross-entropy of logits[:, t] against labels[:, t+1], ignoring -100, in fp32."""
+        shift_logits = logits[:, :-1].reshape(-1, self.vocab_size).astype(ms.float32)
+        shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)
+        return ops.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
+
+    def save_pretrained(self, folder: str, dtype: Optional[str] = None,
+                        max_shard_size: str = "5GB") -> None:
+        """Write an HF folder (config.json + safetensors) that transformers loads unchanged."""
+        from mindqwen.io.hf import save_pretrained
+        save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size)

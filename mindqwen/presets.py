@@ -1,0 +1,40 @@
+"""Published shapes of the Qwen2.5 and Qwen3 base models (plain data).
+
+Sources, cross-checked: the HF ``config.json`` files, torchtune ``_model_builders.py``, litgpt
+``config.py``, NeMo. All use rope_theta 1e6 and no sliding window. Instruct checkpoints can
+differ in ``max_position_embeddings`` and ``rms_norm_eps``: load their own ``config.json``
+(``QwenConfig.from_hf``) rather than a preset when you have it.
+"""
+_QWEN25 = dict(model_type="qwen2", qkv_bias=True, o_bias=False, qk_norm=False, rope_theta=1e6)
+_QWEN3 = dict(model_type="qwen3", qkv_bias=False, o_bias=False, qk_norm=True, rope_theta=1e6,
+              head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6)
+
+
+def _q25(vocab, hidden, inter, layers, heads, kv, max_pos, eps, tie):
+    return dict(_QWEN25, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                max_position_embeddings=max_pos, rms_norm_eps=eps, tie_word_embeddings=tie)
+
+
+def _q3(hidden, inter, layers, heads, kv, tie):
+    return dict(_QWEN3, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tie)
+
+
+PRESETS = {
+    #                       vocab   hidden inter  L   heads kv max_pos eps   tie
+    "qwen2.5-0.5b": _q25(151936, 896, 4864, 24, 14, 2, 32768, 1e-6, True),
+    "qwen2.5-1.5b": _q25(151936, 1536, 8960, 28, 12, 2, 131072, 1e-6, True),
+    "qwen2.5-3b": _q25(151936, 2048, 11008, 36, 16, 2, 32768, 1e-6, True),
+    "qwen2.5-7b": _q25(152064, 3584, 18944, 28, 28, 4, 131072, 1e-6, False),
+    "qwen2.5-14b": _q25(152064, 5120, 13824, 48, 40, 8, 131072, 1e-5, False),
+    "qwen2.5-32b": _q25(152064, 5120, 27648, 64, 40, 8, 131072, 1e-5, False),
+    "qwen2.5-72b": _q25(152064, 8192, 29568, 80, 64, 8, 131072, 1e-5, False),
+    #                  hidden inter  L   heads kv tie
+    "qwen3-0.6b": _q3(1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": _q3(2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": _q3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": _q3(4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": _q3(5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": _q3(5120, 25600, 64, 64, 8, False),
+}

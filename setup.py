@@ -1,0 +1,23 @@
+"""mindqwen: MindSpore-native training and deployment of Qwen-family language models."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mindqwen",
+    version="0.1.0",
+    description="MindSpore-native training, LoRA and deployment of Qwen2 / Qwen2.5 / Qwen3 models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["mindqwen", "mindqwen.*"]),
+    install_requires=[
+        "mindspore==2.10.0",
+        "numpy<2",  # MindSpore 2.10 is built against NumPy 1.x (bf16 interop breaks under 2.x)
+        "safetensors",
+        "pyyaml",
+        "tiktoken",
+        "sentencepiece",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest"], "plot": ["matplotlib"]},
+    entry_points={"console_scripts": ["mindqwen = mindqwen.cli:main"]},
+)

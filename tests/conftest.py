@@ -1,0 +1,35 @@
+"""Shared test set-up: CPU device, fixture paths, and a GRAPH/PYNATIVE mode switch."""
+import os
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+MODELS = ("qwen2_tiny", "qwen3_tiny")
+MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
+
+ms.set_device("CPU")
+
+
+def fixture_path(*parts: str) -> str:
+    return os.path.join(FIXTURES, *parts)
+
+
+def reference(model_name: str):
+    """The HF golden outputs for a tiny model (see fixtures/REF_README.md)."""
+    return np.load(fixture_path(model_name, "reference.npz"))
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request):
+    """Run the test once in GRAPH_MODE and once in PYNATIVE_MODE."""
+    ms.set_context(mode=MODES[request.param])
+    yield request.param
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_cwd(tmp_path, monkeypatch):
+    """Graph compile failures write rank_0/ into the cwd: keep it out of the checkout."""
+    monkeypatch.chdir(tmp_path)
