@@ -6,13 +6,14 @@ strict with values: inconsistent shapes raise ``ConfigError`` naming the field a
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+from mindqwen.io.jsonfile import read_json
 
 # HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture.
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
@@ -159,13 +160,7 @@ class QwenConfig:
         src = path_or_dict
         if isinstance(src, (str, os.PathLike)):
             path = os.path.join(src, "config.json") if os.path.isdir(src) else str(src)
-            if not os.path.isfile(path):
-                raise ConfigError(f"{path}: config file not found")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+            hf = read_json(path, ConfigError, "config file")
         else:
             path, hf = "<dict>", dict(src)
         archs = hf.get("architectures") or []

@@ -1,0 +1,443 @@
+"""LoRA: h = W0·x + b + (alpha/r)·B·A·x on a frozen base, with rsLoRA, DoRA and PiSSA.
+
+``LoRALayer`` owns the base ``weight``/``bias`` Parameters of the ``Linear`` it replaces (the
+same objects, so ``q_proj.weight`` keeps its key and its storage) and adds ``lora_a`` [r, in] and
+``lora_b`` [out, r]. ``apply_lora`` swaps layers in by ``insert_child_to_cell``; adapters move
+to and from HF PEFT's format (``save_adapter`` / ``load_adapter``) without touching the user's
+files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import HeUniform, Normal, initializer
+
+from mindqwen.io.jsonfile import read_json
+from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from mindqwen.models.qwen import Linear
+
+DEFAULT_TARGETS = ("q_proj", "v_proj")  # Q and V keep most of the quality at the lowest cost
+INIT_MODES = ("default", "gaussian", "pissa")
+BIAS_MODES = ("none", "lora_only", "all")
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# PEFT config fields mindqwen cannot honour; any non-empty value is refused by name.
+_UNSUPPORTED_PEFT = ("rank_pattern", "alpha_pattern", "layers_pattern", "target_parameters",
+                     "trainable_token_indices", "layer_replication", "exclude_modules")
+
+
+@dataclass
+class LoraConfig:
+    """Which layers get LoRA and how (field names and meanings follow PEFT's ``LoraConfig``).
+
+    Attributes:
+        r: rank of A [r, in] and B [out, r].
+        lora_alpha: scale numerator: scaling = alpha / r (rsLoRA: alpha / sqrt(r)).
+        lora_dropout: dropout on the LoRA input while training.
+        target_modules: module names (a module matches when its path ends with ``.name``) or
+            one regex matched against the full path (``model.layers.0.self_attn.q_proj``).
+        layers_to_transform: only these decoder layer indices (None: all).
+        bias: "none" | "lora_only" (biases of LoRA layers train) | "all" (every bias trains).
+        modules_to_save: modules trained fully and saved with the adapter (e.g. ``lm_head``).
+        use_rslora: rank-stabilised scaling alpha / sqrt(r).
+        use_dora: weight-decomposed LoRA (a trainable magnitude per output row).
+        init: "default" (kaiming-uniform A, zero B: the layer starts as the base), "gaussian"
+            (A ~ N(0, 1/r), zero B) or "pissa" (A, B from the top-r SVD of W; W keeps the rest).
+    """
+
+    r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: Union[List[str], str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    layers_to_transform: Optional[List[int]] = None
+    bias: str = "none"
+    modules_to_save: Optional[List[str]] = None
+    use_rslora: bool = False
+    use_dora: bool = False
+    init: str = "default"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"LoraConfig.r must be a positive integer, got {self.r!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.bias not in BIAS_MODES:
+            raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
+        if self.init not in INIT_MODES:
+            raise ValueError(f"LoraConfig.init must be one of {INIT_MODES}, got {self.init!r}")
+        if isinstance(self.target_modules, str):
+            try:
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise ValueError(f"LoraConfig.target_modules: invalid regex "
+                                 f"{self.target_modules!r} ({e})") from None
+        elif not self.target_modules:
+            raise ValueError("LoraConfig.target_modules is empty")
+        else:
+            self.target_modules = list(self.target_modules)
+        if isinstance(self.layers_to_transform, int):
+            self.layers_to_transform = [self.layers_to_transform]
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def matches(self, path: str) -> bool:
+        """Whether the module at ``path`` gets LoRA (PEFT's matching rules)."""
+        if isinstance(self.target_modules, str):
+            hit = re.fullmatch(self.target_modules, path) is not None
+        else:
+            hit = any(path == t or path.endswith("." + t) for t in self.target_modules)
+        if hit and self.layers_to_transform is not None:
+            m = _LAYER_INDEX.search(path)
+            hit = m is not None and int(m.group(1)) in self.layers_to_transform
+        return hit
+
+    # ------------------------------------------------------------------ PEFT interop
+    def to_peft(self) -> dict:
+        """``adapter_config.json`` content that PEFT loads unchanged."""
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+            "inference_mode": True, "r": self.r, "lora_alpha": self.lora_alpha,
+            "lora_dropout": self.lora_dropout, "target_modules": self.target_modules,
+            "layers_to_transform": self.layers_to_transform, "bias": self.bias,
+            "modules_to_save": self.modules_to_save, "use_rslora": self.use_rslora,
+            "use_dora": self.use_dora, "fan_in_fan_out": False, "lora_bias": False,
+            "init_lora_weights": {"default": True}.get(self.init, self.init),
+            "rank_pattern": {}, "alpha_pattern": {},
+        }
+
+    @classmethod
+    def from_peft(cls, cfg: dict, source: str = "<dict>") -> "LoraConfig":
+        """Read a PEFT ``adapter_config.json`` dict; unsupported features raise naming the key."""
+        if cfg.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{source}: peft_type {cfg.get('peft_type')!r} is not LoRA")
+        for key in _UNSUPPORTED_PEFT:
+            if cfg.get(key):
+                raise ValueError(f"{source}: {key}={cfg[key]!r} is not supported by mindqwen")
+        for key in ("fan_in_fan_out", "lora_bias", "use_qalora"):
+            if cfg.get(key):
+                raise ValueError(f"{source}: {key}=true is not supported by mindqwen")
+        init = cfg.get("init_lora_weights", True)
+        init = "default" if init is True else init
+        if init not in INIT_MODES:  # weights are loaded anyway: the init mode only records history
+            init = "default"
+        targets = cfg.get("target_modules")
+        if targets is None:
+            raise ValueError(f"{source}: target_modules is missing")
+        try:
+            return cls(r=cfg.get("r", 8), lora_alpha=cfg.get("lora_alpha", 8),
+                       lora_dropout=cfg.get("lora_dropout", 0.0), target_modules=targets,
+                       layers_to_transform=cfg.get("layers_to_transform"), bias=cfg.get("bias", "none"),
+                       modules_to_save=cfg.get("modules_to_save"), use_rslora=cfg.get("use_rslora", False),
+                       use_dora=cfg.get("use_dora", False), init=init)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+class LoRALayer(nn.Cell):
+    """A ``Linear`` plus a low-rank update; owns the base ``weight`` and ``bias``.
+
+        y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ                       s = alpha/r (rsLoRA: alpha/√r)
+        DoRA: y = m/‖W + s·B·A‖ ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ) + b      (row norms, held constant in
+                                                                backward, as PEFT does)
+
+    x·Aᵀ is computed first, so the update costs O(T·r·(in + out)), never an [out, in] matrix.
+    """
+
+    def __init__(self, base: Linear, config: LoraConfig, path: str):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the same Parameter objects
+        r, dtype = config.r, base.weight.dtype
+        self.scaling = config.scaling
+        self.use_dora = config.use_dora
+        self.merged = False
+        if config.init == "gaussian":
+            a_init = Normal(1.0 / r)
+        else:  # kaiming-uniform(a=√5): U(±1/√in), PEFT's default
+            a_init = HeUniform(negative_slope=math.sqrt(5))
+        self.lora_a = Parameter(initializer(a_init, (r, self.in_features), dtype), name=f"{path}.lora_a")
+        self.lora_b = Parameter(initializer("zeros", (self.out_features, r), dtype), name=f"{path}.lora_b")
+        self.pissa_init = self._init_pissa() if config.init == "pissa" else None
+        if self.use_dora:
+            self.lora_magnitude_vector = Parameter(Tensor(self._weight_norm_np()), name=f"{path}.lora_magnitude_vector")
+        self.dropout = nn.Dropout(p=config.lora_dropout) if config.lora_dropout > 0 else None
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        x2 = x.reshape(-1, self.in_features)  # (T, in)
+        y = self.matmul(x2, self.weight)  # (T, out)
+        if not self.merged:
+            xd = x2 if self.dropout is None else self.dropout(x2)
+            lora = self.matmul(self.matmul(xd, self.lora_a), self.lora_b) * self.scaling  # (T, out)
+            if self.use_dora:
+                w = self.weight + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
+                norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(w * w, 1)))  # (out,)
+                scale = self.lora_magnitude_vector / norm
+                yd = y if self.dropout is None else self.matmul(xd, self.weight)
+                y = y + (scale - 1) * yd + scale * lora
+            else:
+                y = y + lora
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(x.shape[:-1] + (self.out_features,))
+
+    # ------------------------------------------------------------------ host-side helpers
+    def delta_np(self) -> np.ndarray:
+        """s·B·A in float64."""
+        return self.scaling * (self.lora_b.asnumpy().astype(np.float64) @ self.lora_a.asnumpy().astype(np.float64))
+
+    def _weight_norm_np(self) -> np.ndarray:
+        w = self.weight.asnumpy().astype(np.float64) + self.delta_np()
+        return np.sqrt((w * w).sum(1)).astype(np.float32)
+
+    def _init_pissa(self) -> Dict[str, np.ndarray]:
+        """A, B from the top-r singular triplets of W (scaled so s·B·A is their sum); W keeps
+        the residual. Returns the initial A, B, needed to export a PEFT-compatible adapter."""
+        w = self.weight.asnumpy().astype(np.float64)
+        u, sv, vt = np.linalg.svd(w, full_matrices=False)
+        r = self.lora_a.shape[0]
+        root = np.sqrt(sv[:r] / self.scaling)
+        a, b = root[:, None] * vt[:r], u[:, :r] * root[None, :]
+        self.lora_a.set_data(Tensor(a.astype(np.float32)))
+        self.lora_b.set_data(Tensor(b.astype(np.float32)))
+        self.weight.set_data(Tensor((w - self.scaling * b @ a).astype(np.float32)))
+        return {"lora_a": self.lora_a.asnumpy().copy(), "lora_b": self.lora_b.asnumpy().copy()}
+
+    def merge(self) -> None:
+        """W ← W + s·B·A (DoRA: m/‖W + s·B·A‖ ⊙ (W + s·B·A)), computed in float64."""
+        if self.merged:
+            return
+        w = self.weight.asnumpy().astype(np.float64) + self.delta_np()
+        if self.use_dora:
+            self._dora_factor = self.lora_magnitude_vector.asnumpy().astype(np.float64) / np.sqrt((w * w).sum(1))
+            w = w * self._dora_factor[:, None]
+        self.weight.set_data(Tensor(w.astype(np.float32)).astype(self.weight.dtype))
+        self.merged = True
+
+    def unmerge(self) -> None:
+        """Undo ``merge`` (to float32 rounding)."""
+        if not self.merged:
+            return
+        w = self.weight.asnumpy().astype(np.float64)
+        if self.use_dora:
+            w = w / self._dora_factor[:, None]
+        self.weight.set_data(Tensor((w - self.delta_np()).astype(np.float32)).astype(self.weight.dtype))
+        self.merged = False
+
+
+# ---------------------------------------------------------------------- model surgery
+def lora_layers(model: nn.Cell) -> Dict[str, LoRALayer]:
+    """Module path → LoRALayer, in model order."""
+    return {path: cell for path, cell in model.cells_and_names() if isinstance(cell, LoRALayer)}
+
+
+def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
+    """Replace every ``Linear`` that ``config`` targets by a ``LoRALayer``, then freeze the rest.
+
+    The original ``weight``/``bias`` Parameters are reused, so base keys are unchanged.
+
+    Raises:
+        ValueError: if the model already has LoRA, or no module matches the targets.
+    """
+    config = config or LoraConfig()
+    if lora_layers(model):
+        raise ValueError("the model already has LoRA layers; merge_and_unload() it first")
+    linears = [(path, cell) for path, cell in model.cells_and_names() if isinstance(cell, Linear)]
+    targets = [(path, cell) for path, cell in linears if config.matches(path)]
+    if not targets:
+        names = sorted({p.rsplit(".", 1)[-1] for p, _ in linears})
+        raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module "
+                         f"(layers_to_transform={config.layers_to_transform}); linear modules are: "
+                         f"{', '.join(names)}")
+    _check_modules_to_save(model, config.modules_to_save)
+    cells = dict(model.cells_and_names())
+    for path, base in targets:
+        parent, _, child = path.rpartition(".")
+        cells[parent].insert_child_to_cell(child, LoRALayer(base, config, path))
+    model.lora_config = config
+    mark_only_lora_trainable(model)
+    _invalidate_compiled_graphs(model)
+    return model
+
+
+def mark_only_lora_trainable(model: nn.Cell) -> None:
+    """The one place that decides trainability: LoRA A/B/magnitude, biases per ``bias``,
+    and every parameter of ``modules_to_save``; everything else is frozen."""
+    config: LoraConfig = model.lora_config
+    layers = lora_layers(model)
+    saved = tuple(f"{m}." for m in _module_paths(model, config.modules_to_save))
+    for p in model.get_parameters():
+        owner = p.name.rpartition(".")[0]
+        is_bias = p.name.endswith(".bias")
+        p.requires_grad = bool(
+            p.name.endswith((".lora_a", ".lora_b", ".lora_magnitude_vector"))
+            or (is_bias and config.bias == "all")
+            or (is_bias and config.bias == "lora_only" and owner in layers)
+            or p.name.startswith(saved))
+
+
+def trainable_report(model: nn.Cell) -> str:
+    """``trainable params: X || all params: Y || trainable%: Z`` (PEFT's wording)."""
+    params = model.get_parameters()
+    total = sum(int(np.prod(p.shape)) for p in params)
+    trainable = sum(int(np.prod(p.shape)) for p in model.get_parameters() if p.requires_grad)
+    return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+
+
+def merge_lora(model: nn.Cell) -> None:
+    """Fold every LoRA update into its base weight (the LoRA branch is then skipped)."""
+    for layer in lora_layers(model).values():
+        layer.merge()
+    _invalidate_compiled_graphs(model)
+
+
+def unmerge_lora(model: nn.Cell) -> None:
+    """Undo ``merge_lora``."""
+    for layer in lora_layers(model).values():
+        layer.unmerge()
+    _invalidate_compiled_graphs(model)
+
+
+def merge_and_unload(model: nn.Cell) -> nn.Cell:
+    """Merge, then put plain ``Linear`` layers back: the model is a base model again."""
+    merge_lora(model)
+    cells = dict(model.cells_and_names())
+    for path, layer in lora_layers(model).items():
+        plain = Linear(layer.in_features, layer.out_features, layer.bias is not None)
+        plain.weight, plain.bias = layer.weight, layer.bias  # merged Parameters, same names
+        parent, _, child = path.rpartition(".")
+        cells[parent].insert_child_to_cell(child, plain)
+    for p in model.get_parameters():
+        p.requires_grad = True
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    _invalidate_compiled_graphs(model)
+    return model
+
+
+def _invalidate_compiled_graphs(model: nn.Cell) -> None:
+    """MindSpore keys a Cell's compiled graph by (phase, create_time, id): after surgery or a
+    merge the cached graph is stale, so give every cell a new stamp (forces one recompile).
+    ``create_time`` is a read-only property over ``_create_time``; there is no public reset."""
+    stamp = time.time_ns()
+    for _, cell in model.cells_and_names():
+        object.__setattr__(cell, "_create_time", stamp)
+
+
+def _module_paths(model: nn.Cell, names: Optional[Sequence[str]]) -> List[str]:
+    if not names:
+        return []
+    paths = [path for path, _ in model.cells_and_names() if path]
+    return [p for p in paths if any(p == n or p.endswith("." + n) for n in names)]
+
+
+def _check_modules_to_save(model: nn.Cell, names: Optional[Sequence[str]]) -> None:
+    for n in names or []:
+        if not _module_paths(model, [n]):
+            raise ValueError(f"LoraConfig.modules_to_save: no module named {n!r} in the model")
+
+
+# ---------------------------------------------------------------------- PEFT adapter files
+def adapter_state(model: nn.Cell) -> Dict[str, np.ndarray]:
+    """The adapter's tensors under PEFT's key names (``base_model.model.<path>.lora_A.weight`` …).
+
+    A PiSSA adapter is exported as PEFT does it: a rank-2r LoRA relative to the *original*
+    weights ([A; A0], [B, −B0]), so it applies to the untouched base checkpoint.
+    """
+    config: LoraConfig = model.lora_config
+    out: Dict[str, np.ndarray] = {}
+    for path, layer in lora_layers(model).items():
+        a, b = layer.lora_a.asnumpy(), layer.lora_b.asnumpy()
+        if layer.pissa_init is not None:
+            a = np.concatenate([a, layer.pissa_init["lora_a"]], 0)
+            b = np.concatenate([b, -layer.pissa_init["lora_b"]], 1)
+        out[_peft_key(layer.lora_a.name)] = a
+        out[_peft_key(layer.lora_b.name)] = b
+        if layer.use_dora:
+            out[_peft_key(layer.lora_magnitude_vector.name)] = layer.lora_magnitude_vector.asnumpy()
+    layers = lora_layers(model)
+    for p in model.get_parameters():
+        owner = p.name.rpartition(".")[0]
+        if p.requires_grad and p.name.endswith(".bias") and (config.bias == "all" or owner in layers):
+            out[PEFT_PREFIX + p.name] = p.asnumpy()
+    for path in _module_paths(model, config.modules_to_save):
+        for p in model.get_parameters():
+            if p.name.startswith(path + "."):
+                out[PEFT_PREFIX + p.name] = p.asnumpy()
+    return out
+
+
+def save_adapter(model: nn.Cell, folder: str) -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format."""
+    config: LoraConfig = getattr(model, "lora_config", None)
+    if config is None:
+        raise ValueError("the model has no LoRA adapter (apply_lora or load_adapter first)")
+    peft = config.to_peft()
+    if config.init == "pissa":  # exported relative to the original base: rank 2r, same scaling
+        peft.update(r=2 * config.r, init_lora_weights=True,
+                    lora_alpha=config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2))
+    os.makedirs(folder, exist_ok=True)
+    stage = os.path.join(folder, f".tmp-adapter-{os.getpid()}")
+    os.makedirs(stage, exist_ok=True)
+    try:
+        save_file(adapter_state(model), os.path.join(stage, ADAPTER_WEIGHTS))
+        with open(os.path.join(stage, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(peft, f, indent=2)
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            os.replace(os.path.join(stage, name), os.path.join(folder, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def load_adapter(model: nn.Cell, folder: str) -> nn.Cell:
+    """Apply LoRA as ``folder/adapter_config.json`` says, then load its weights (PEFT format).
+
+    The user's files are only read. Raises naming the file and key on any mismatch.
+    """
+    cfg_path, w_path = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
+    config = LoraConfig.from_peft(read_json(cfg_path, CheckpointError, "adapter config"), cfg_path)
+    weights = SafetensorsFile(w_path)
+    foreign = [k for k in weights.keys() if not k.startswith(PEFT_PREFIX)]
+    if foreign:
+        raise CheckpointError(f"{w_path}: tensor {foreign[0]} does not start with {PEFT_PREFIX!r} "
+                              "(not a PEFT adapter)")
+    apply_lora(model, config)
+    params = {p.name: p for p in model.get_parameters()}
+    wanted = {_peft_key(name) for name in params
+              if name.endswith((".lora_a", ".lora_b", ".lora_magnitude_vector"))}
+    missing = sorted(wanted - set(weights.keys()))
+    if missing:
+        raise CheckpointError(f"{w_path}: missing adapter tensors {', '.join(missing[:6])}")
+    for key in sorted(weights.keys()):
+        name = key[len(PEFT_PREFIX):].replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight", ".lora_b")
+        if name not in params:
+            raise CheckpointError(f"{w_path}: tensor {key} targets {name}, which the model does not have")
+        p = params[name]
+        if tuple(weights.shape(key)) != tuple(p.shape):
+            raise CheckpointError(f"{w_path}: tensor {key} has shape {list(weights.shape(key))}, "
+                                  f"the model expects {list(p.shape)}")
+        p.set_data(Tensor(weights.get(key)).astype(p.dtype))
+    _invalidate_compiled_graphs(model)
+    return model
+
+
+def _peft_key(name: str) -> str:
+    """mindqwen parameter name → PEFT key (``…q_proj.lora_a`` → ``base_model.model.…lora_A.weight``)."""
+    return PEFT_PREFIX + re.sub(r"\.lora_([ab])$", lambda m: f".lora_{m.group(1).upper()}.weight", name)
+
+
+__all__ = ["LoraConfig", "LoRALayer", "apply_lora", "mark_only_lora_trainable", "trainable_report",
+           "merge_lora", "unmerge_lora", "merge_and_unload", "save_adapter", "load_adapter",
+           "adapter_state", "lora_layers"]
