@@ -1,7 +1,7 @@
 """Lazy safetensors reading and atomic, streaming writing, with exact bf16 handling.
 
-Reading parses the header itself and memory-maps the data, so a tensor is read only when asked
-for and a model is never held twice. bf16 becomes fp32 by a 16-bit shift (exact); fp32 becomes
+Reading parses the header itself and reads one tensor at a time when asked for, so a model is
+never held twice. bf16 becomes fp32 by a 16-bit shift (exact); fp32 becomes
 bf16 by round-to-nearest-even. Written files appear under their final name only when complete.
 """
 from __future__ import annotations
@@ -81,7 +81,6 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: truncated file: tensor {key} ends at byte "
                                       f"{self._data_start + end}, the file has {size}")
             self._entries[key] = (dtype, shape, start, end)
-        self._mmap: Optional[np.memmap] = None
 
     def keys(self) -> Iterable[str]:
         return self._entries.keys()
@@ -96,19 +95,23 @@ class SafetensorsFile:
         return self._entries[key][0]
 
     def raw(self, key: str) -> np.ndarray:
-        """The stored array (bf16 as uint16 bits), a read-only view of the memory map."""
+        """The stored array (bf16 as uint16 bits), read from disk now.
+
+        A positioned read, not a memory map: mapped pages count as resident memory, which
+        would put the whole file on top of the model while loading.
+        """
         dtype, shape, start, end = self._entries[key]
-        if self._mmap is None:
-            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-        buf = self._mmap[self._data_start + start:self._data_start + end]
-        return buf.view(_STORAGE[dtype]).reshape(shape)
+        storage = np.dtype(_STORAGE[dtype])
+        arr = np.fromfile(self.path, dtype=storage, count=(end - start) // storage.itemsize,
+                          offset=self._data_start + start)
+        return arr.reshape(shape)
 
     def get(self, key: str, dtype=np.float32) -> np.ndarray:
         """Tensor ``key`` as a new array of ``dtype`` (floats; bf16 widened exactly)."""
         arr = self.raw(key)
         if self.dtype(key) == "BF16":
             arr = bf16_bits_to_fp32(arr)
-        return np.array(arr, dtype=dtype)
+        return arr.astype(dtype, copy=False)
 
 
 class LazyTensor(NamedTuple):
