@@ -13,7 +13,6 @@ import math
 import os
 import re
 import shutil
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -23,6 +22,7 @@ from mindspore.common.initializer import HeUniform, Normal, initializer
 
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from mindqwen.models.graph import invalidate_compiled_graphs
 from mindqwen.models.qwen import Linear
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # Q and V keep most of the quality at the lowest cost
@@ -174,24 +174,28 @@ class LoRALayer(nn.Cell):
             self.lora_magnitude_vector = Parameter(Tensor(self._weight_norm_np()), name=f"{path}.lora_magnitude_vector")
         self.dropout = nn.Dropout(p=config.lora_dropout) if config.lora_dropout > 0 else None
         self.matmul = ops.MatMul(transpose_b=True)
+        self.compute_dtype = base.compute_dtype
 
     def construct(self, x):
-        x2 = x.reshape(-1, self.in_features)  # (T, in)
-        y = self.matmul(x2, self.weight)  # (T, out)
+        x2, w, a, b = x.reshape(-1, self.in_features), self.weight, self.lora_a, self.lora_b  # (T, in)
+        if self.compute_dtype is not None:
+            x2, w = x2.astype(self.compute_dtype), w.astype(self.compute_dtype)
+            a, b = a.astype(self.compute_dtype), b.astype(self.compute_dtype)
+        y = self.matmul(x2, w)  # (T, out)
         if not self.merged:
             xd = x2 if self.dropout is None else self.dropout(x2)
-            lora = self.matmul(self.matmul(xd, self.lora_a), self.lora_b) * self.scaling  # (T, out)
+            lora = self.matmul(self.matmul(xd, a), b) * self.scaling  # (T, r) -> (T, out)
             if self.use_dora:
-                w = self.weight + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
-                norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(w * w, 1)))  # (out,)
-                scale = self.lora_magnitude_vector / norm
-                yd = y if self.dropout is None else self.matmul(xd, self.weight)
+                wd = self.weight + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
+                norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(wd * wd, 1)))  # (out,)
+                scale = (self.lora_magnitude_vector / norm).astype(y.dtype)
+                yd = y if self.dropout is None else self.matmul(xd, w)
                 y = y + (scale - 1) * yd + scale * lora
             else:
                 y = y + lora
         if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(x.shape[:-1] + (self.out_features,))
+            y = y + self.bias.astype(y.dtype)
+        return y.reshape(x.shape[:-1] + (self.out_features,)).astype(x.dtype)
 
     # ------------------------------------------------------------------ host-side helpers
     def delta_np(self) -> np.ndarray:
@@ -268,7 +272,7 @@ def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
         cells[parent].insert_child_to_cell(child, LoRALayer(base, config, path))
     model.lora_config = config
     mark_only_lora_trainable(model)
-    _invalidate_compiled_graphs(model)
+    invalidate_compiled_graphs(model)
     return model
 
 
@@ -300,14 +304,14 @@ def merge_lora(model: nn.Cell) -> None:
     """Fold every LoRA update into its base weight (the LoRA branch is then skipped)."""
     for layer in lora_layers(model).values():
         layer.merge()
-    _invalidate_compiled_graphs(model)
+    invalidate_compiled_graphs(model)
 
 
 def unmerge_lora(model: nn.Cell) -> None:
     """Undo ``merge_lora``."""
     for layer in lora_layers(model).values():
         layer.unmerge()
-    _invalidate_compiled_graphs(model)
+    invalidate_compiled_graphs(model)
 
 
 def merge_and_unload(model: nn.Cell) -> nn.Cell:
@@ -317,23 +321,15 @@ def merge_and_unload(model: nn.Cell) -> nn.Cell:
     for path, layer in lora_layers(model).items():
         plain = Linear(layer.in_features, layer.out_features, layer.bias is not None)
         plain.weight, plain.bias = layer.weight, layer.bias  # merged Parameters, same names
+        plain.compute_dtype = layer.compute_dtype
         parent, _, child = path.rpartition(".")
         cells[parent].insert_child_to_cell(child, plain)
     for p in model.get_parameters():
         p.requires_grad = True
     if hasattr(model, "lora_config"):
         del model.lora_config
-    _invalidate_compiled_graphs(model)
+    invalidate_compiled_graphs(model)
     return model
-
-
-def _invalidate_compiled_graphs(model: nn.Cell) -> None:
-    """MindSpore keys a Cell's compiled graph by (phase, create_time, id): after surgery or a
-    merge the cached graph is stale, so give every cell a new stamp (forces one recompile).
-    ``create_time`` is a read-only property over ``_create_time``; there is no public reset."""
-    stamp = time.time_ns()
-    for _, cell in model.cells_and_names():
-        object.__setattr__(cell, "_create_time", stamp)
 
 
 def _module_paths(model: nn.Cell, names: Optional[Sequence[str]]) -> List[str]:
@@ -429,7 +425,7 @@ def load_adapter(model: nn.Cell, folder: str) -> nn.Cell:
             raise CheckpointError(f"{w_path}: tensor {key} has shape {list(weights.shape(key))}, "
                                   f"the model expects {list(p.shape)}")
         p.set_data(Tensor(weights.get(key)).astype(p.dtype))
-    _invalidate_compiled_graphs(model)
+    invalidate_compiled_graphs(model)
     return model
 
 

@@ -31,5 +31,8 @@ def mode(request):
 
 @pytest.fixture(autouse=True)
 def _in_tmp_cwd(tmp_path, monkeypatch):
-    """Graph compile failures write rank_0/ into the cwd: keep it out of the checkout."""
+    """Graph compile failures write rank_0/ into the cwd: keep it out of the checkout.
+    fit() selects its own mode: every test starts again from PyNative."""
     monkeypatch.chdir(tmp_path)
+    yield
+    ms.set_context(mode=ms.PYNATIVE_MODE)

@@ -33,7 +33,11 @@ def default_use_fused_ops() -> bool:
 
 
 class Linear(nn.Cell):
-    """y = x·Wᵀ + b with the HF layout ``weight`` [out, in]."""
+    """y = x·Wᵀ + b with the HF layout ``weight`` [out, in].
+
+    ``compute_dtype`` (set by ``mindqwen.train.precision``) runs the matmul in that dtype and
+    returns the input's dtype, so a fp32 residual stream can use fp16 matmuls (AMP O1).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=ms.float32):
         super().__init__()
@@ -42,12 +46,16 @@ class Linear(nn.Cell):
                                 name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)  # no transposed copy of the weight
+        self.compute_dtype = None
 
     def construct(self, x):
-        y = self.matmul(x.reshape(-1, self.in_features), self.weight)  # (B*S, out)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(x.shape[:-1] + (self.out_features,))
+        x2, w, b = x.reshape(-1, self.in_features), self.weight, self.bias  # x2: (B*S, in)
+        if self.compute_dtype is not None:
+            x2, w = x2.astype(self.compute_dtype), w.astype(self.compute_dtype)
+        y = self.matmul(x2, w)  # (B*S, out)
+        if b is not None:
+            y = y + b.astype(y.dtype)
+        return y.reshape(x.shape[:-1] + (self.out_features,)).astype(x.dtype)
 
 
 class Embedding(nn.Cell):
@@ -235,6 +243,7 @@ class QwenModel(nn.Cell):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window or 0
+        self.hidden_dtype = None
 
     def construct(self, input_ids, attention_mask=None, output_hidden_states=False):
         """input_ids (B, S) int32; attention_mask (B, S), 1 = token, 0 = padding (left or right).
@@ -260,6 +269,8 @@ class QwenModel(nn.Cell):
         cos, sin = self.rotary_emb(position_ids)
 
         x = self.embed_tokens(input_ids)
+        if self.hidden_dtype is not None:  # AMP O2/O3: the residual stream in low precision
+            x = x.astype(self.hidden_dtype)
         hidden_states = ()
         for layer in self.layers:
             hidden_states = hidden_states + (x,)

@@ -1,0 +1,1 @@
+"""Data: token arrays to fixed-shape, seeded, shardable, resumable batches."""

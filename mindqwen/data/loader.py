@@ -1,0 +1,87 @@
+"""Fixed-shape batches from token arrays: seeded shuffle, rank sharding, exact resume.
+
+The order is a pure function of (seed, epoch, rank): epoch e shuffles with
+``default_rng([seed, e]).permutation``, each rank takes every ``world``-th example of that order,
+and consecutive groups of ``batch_size`` form batches (a ragged tail is dropped, so every batch
+has the same shape and graph mode compiles once). Resuming at step k is index arithmetic —
+nothing is read and thrown away.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenDataset:
+    """Token rows of one length. ``labels`` default to ``input_ids`` (the model shifts them)."""
+
+    input_ids: np.ndarray  # (N, S) int
+    labels: Optional[np.ndarray] = None  # (N, S) int, -100 = no loss
+
+    def __post_init__(self) -> None:
+        self.input_ids = np.asarray(self.input_ids)
+        if self.input_ids.ndim != 2 or not np.issubdtype(self.input_ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be an integer array [examples, seq_len], got "
+                             f"{self.input_ids.dtype} {self.input_ids.shape}")
+        if self.labels is None:
+            self.labels = self.input_ids
+        self.labels = np.asarray(self.labels)
+        if self.labels.shape != self.input_ids.shape:
+            raise ValueError(f"labels shape {self.labels.shape} != input_ids shape {self.input_ids.shape}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class BatchLoader:
+    """Batches of (input_ids, labels) int32 [batch_size, S] for one data-parallel rank.
+
+    Args:
+        data: the examples.
+        batch_size: examples per batch on this rank.
+        seed: shuffle seed (same on every rank).
+        shuffle: reshuffle every epoch; False keeps the stored order.
+        rank, world: this rank's slice of every epoch.
+    """
+
+    def __init__(self, data: TokenDataset, batch_size: int, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world: int = 1):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, {world})")
+        self.data, self.batch_size, self.seed, self.shuffle = data, batch_size, seed, shuffle
+        self.rank, self.world = rank, world
+        self.steps_per_epoch = len(data) // world // batch_size
+        self._cached = (-1, None)
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(data)} examples cannot fill one batch of {batch_size} on each of "
+                             f"{world} rank(s)")
+
+    def order(self, epoch: int) -> np.ndarray:
+        """This rank's example indices for ``epoch``, batch-aligned."""
+        if self._cached[0] == epoch:
+            return self._cached[1]
+        n = len(self.data)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        mine = perm[self.rank::self.world][:self.steps_per_epoch * self.batch_size]
+        self._cached = (epoch, mine)
+        return mine
+
+    def batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The batch of global step ``step`` (epochs follow one another)."""
+        epoch, i = divmod(step, self.steps_per_epoch)
+        idx = self.order(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
+        return (self.data.input_ids[idx].astype(np.int32), self.data.labels[idx].astype(np.int32))
+
+    def iterate(self, start_step: int = 0, stop_step: Optional[int] = None) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+        """Batches for steps [start_step, stop_step): a resumed run continues exactly."""
+        step = start_step
+        while stop_step is None or step < stop_step:
+            yield self.batch(step)
+            step += 1

@@ -1,0 +1,17 @@
+"""Keeping MindSpore's compiled-graph cache honest after a Cell tree changes."""
+import time
+
+from mindspore import nn
+
+
+def invalidate_compiled_graphs(model: nn.Cell) -> None:
+    """Force the next call of ``model`` (or any of its cells) to recompile.
+
+    MindSpore keys a Cell's compiled graph by (phase, create_time, id) and reads Python
+    attributes of the tree as compile-time constants: after layer surgery, a merge, or a
+    precision change, the cached graph is stale. ``create_time`` is a read-only property over
+    ``_create_time`` and there is no public reset, so every cell gets a new stamp.
+    """
+    stamp = time.time_ns()
+    for _, cell in model.cells_and_names():
+        object.__setattr__(cell, "_create_time", stamp)

@@ -1,0 +1,1 @@
+"""Graph-mode training: precision policy, optimizer and schedules, step Cells, checkpoints, fit()."""

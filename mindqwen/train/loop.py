@@ -1,0 +1,139 @@
+"""fit(): the training loop, in run order — set-up, resume, steps (eval, save), finish."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Optional
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+from tqdm import tqdm
+
+from mindqwen.data.loader import BatchLoader, TokenDataset
+from mindqwen.lora import save_adapter
+from mindqwen.train import checkpoint
+from mindqwen.train.config import TrainerConfig
+from mindqwen.train.distributed import init_data_parallel
+from mindqwen.train.metrics import (MetricsLog, measure_matmul_peak_gflops, peak_memory_mb,
+                                    plot_loss_curve, train_flops_per_token)
+from mindqwen.train.optim import WarmupSchedule, make_optimizer
+from mindqwen.train.precision import apply_precision, make_loss_scaler
+from mindqwen.train.recompute import apply_recompute
+from mindqwen.train.step import Stepper
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite without loss scaling to absorb it."""
+
+
+def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
+        eval_data: Optional[TokenDataset] = None, recipe_text: Optional[str] = None) -> dict:
+    """Train ``model`` (its trainable parameters: LoRA or all) in graph mode.
+
+    Writes ``metrics.jsonl``, checkpoints (``checkpoints/step_*``), ``loss_curve.png`` and, at
+    the end, ``adapter/`` (PEFT format, LoRA) or ``model/`` (HF format, full fine-tune) into
+    ``config.output_dir``. Returns a summary (final loss, eval loss, steps, overflow count).
+    """
+    # 1. set-up: mode, seed, ranks, precision, recompute, optimizer, step Cells
+    ms.set_context(mode=ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE)
+    ms.set_seed(config.seed)
+    rank, world = init_data_parallel()
+    main = rank == 0
+    apply_precision(model, config.precision)
+    apply_recompute(model, config.recompute, config.recompute_every)
+    schedule = WarmupSchedule(config.schedule, config.lr, config.max_steps, config.warmup_steps, config.min_lr)
+    optimizer = make_optimizer(model.trainable_params(), schedule, config.weight_decay,
+                               (config.beta1, config.beta2), config.eps)
+    scaler = make_loss_scaler(config.precision)
+    dynamic = config.precision.uses_loss_scaling
+    stepper = Stepper(model, optimizer, scaler, config.gradient_accumulation, config.clip_norm, dynamic, world)
+    model.set_train(True)
+
+    # 2. resume
+    state = {"overflow_count": 0, "seed": config.seed}
+    last_ckpt = checkpoint.resolve(config.resume, config.output_dir)
+    if last_ckpt:
+        state = checkpoint.load(last_ckpt, model, optimizer, scaler)
+    start = state.get("step", 0)
+
+    # 3. steps
+    mb = config.micro_batch_size
+    loader = BatchLoader(train_data, mb * config.gradient_accumulation, config.seed, config.shuffle, rank, world)
+    log = MetricsLog(config.output_dir, start, enabled=main)
+    seq = train_data.input_ids.shape[1]
+    tokens = mb * config.gradient_accumulation * seq  # per rank and step
+    trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
+    step_flops = train_flops_per_token(model.config, seq, trainable) * tokens
+    peak_flops = measure_matmul_peak_gflops() * 1e9
+    record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
+                           desc="training", unit="step", disable=not (config.progress and main))
+    for step in bar:
+        ids, labels = loader.batch(step)
+        batches = [(ms.Tensor(ids[i:i + mb]), ms.Tensor(labels[i:i + mb])) for i in range(0, len(ids), mb)]
+        lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
+        t = time.perf_counter()
+        try:
+            loss, finite, norm = stepper(batches)
+        except RuntimeError as e:
+            raise explain_out_of_memory(e, config) from e
+        seconds = time.perf_counter() - t
+        state["overflow_count"] += int(not finite)
+        if not dynamic and not math.isfinite(loss):
+            raise TrainingDiverged(f"step {step + 1}: loss is {loss} in {config.precision.level} without loss "
+                                   f"scaling; last good checkpoint: {last_ckpt or 'none (resume impossible)'}")
+        record = {"step": step + 1, "loss": loss, "lr": lr,
+                  "grad_norm": norm, "loss_scale": float(scaler.scale_value.asnumpy()),
+                  "overflow": not finite, "overflow_count": state["overflow_count"],
+                  "tokens_per_s": tokens * world / seconds, "step_s": seconds,
+                  "mfu": step_flops / seconds / peak_flops, "peak_memory_mb": peak_memory_mb()}
+        last = step + 1 == config.max_steps
+        if eval_data is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
+            record["eval_loss"] = evaluate(model, eval_data, mb, config.eval_batches)
+            record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
+        log.write(record)
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if main and (last or (config.save_every and (step + 1) % config.save_every == 0)):
+            state.update(step=step + 1, data_step=step + 1, metrics=record)
+            last_ckpt = checkpoint.save(config.output_dir, step + 1, model, optimizer, scaler, state,
+                                        recipe_text, config.keep_last)
+
+    # 4. finish: final weights in an interchange format, and the loss curve
+    outputs = {"checkpoint": last_ckpt}
+    if main:
+        if getattr(model, "lora_config", None) is not None:
+            outputs["adapter"] = os.path.join(config.output_dir, "adapter")
+            save_adapter(model, outputs["adapter"])
+        else:
+            outputs["model"] = os.path.join(config.output_dir, "model")
+            model.save_pretrained(outputs["model"])
+        outputs["loss_curve"] = plot_loss_curve(log.read(), os.path.join(config.output_dir, "loss_curve.png"))
+    return {"steps": config.max_steps, "final_loss": record.get("loss"), "eval_loss": record.get("eval_loss"),
+            "overflow_count": state["overflow_count"], "outputs": outputs, "metrics": log.path}
+
+
+def evaluate(model: nn.Cell, data: TokenDataset, batch_size: int, max_batches: int = 0) -> float:
+    """Mean validation loss over ``data`` (in order, no shuffle)."""
+    loader = BatchLoader(data, batch_size, shuffle=False)
+    n = loader.steps_per_epoch if max_batches <= 0 else min(max_batches, loader.steps_per_epoch)
+    model.set_train(False)
+    losses = [float(model(ms.Tensor(ids), None, ms.Tensor(labels)).asnumpy()) for ids, labels in loader.iterate(0, n)]
+    model.set_train(True)
+    return float(np.mean(losses))
+
+
+def explain_out_of_memory(error: RuntimeError, config: TrainerConfig) -> RuntimeError:
+    """Turn an allocation failure into the knobs that shrink memory; other errors pass through."""
+    text = str(error).lower()
+    if "memory" not in text or not any(k in text for k in ("malloc", "not enough", "isn't enough", "out of")):
+        return error
+    mb = config.micro_batch_size
+    return MemoryError(
+        "out of memory during the training step. Activations scale with micro_batch_size × seq_len:\n"
+        f"  trainer.micro_batch_size={max(mb // 2, 1)} with trainer.gradient_accumulation="
+        f"{config.gradient_accumulation * 2 if mb > 1 else config.gradient_accumulation} "
+        "(same global batch): ~½ the activation memory\n"
+        "  trainer.recompute=full: keeps one layer's activations instead of all layers' (~1/num_layers)\n"
+        "  trainer.precision.level=O2 (Ascend: bf16/fp16): ~½ activations and gradients\n"
+        "  LoRA instead of full fine-tuning: no gradients or AdamW moments for frozen weights (~3× weights less)")

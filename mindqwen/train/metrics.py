@@ -1,0 +1,103 @@
+"""Training metrics: metrics.jsonl per step, a progress bar, throughput, MFU, the loss-curve PNG."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import List, Optional
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops
+
+from mindqwen.config import QwenConfig
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process (VmHWM), in MB."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train_flops_per_token(config: QwenConfig, seq_len: int, trainable_fraction: float) -> float:
+    """Matmul FLOPs of one training token: forward 2·N, backward 2·N for activation gradients
+    plus 2·N·(trainable fraction) for weight gradients, and attention's score/value products."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size
+    n = config.num_hidden_layers * per_layer + config.vocab_size * h
+    attention = config.num_hidden_layers * 2 * 2 * seq_len * q  # QKᵀ and PV, forward
+    return (4 + 2 * trainable_fraction) * n + 3 * attention
+
+
+def measure_matmul_peak_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """fp32 matmul throughput of this machine through MindSpore (the MFU denominator)."""
+    a = ms.Tensor(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32))
+    ops.matmul(a, a).asnumpy()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ops.matmul(a, a).asnumpy()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, output_dir: str, resume_step: int = 0, enabled: bool = True):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.enabled = enabled
+        if enabled:
+            os.makedirs(output_dir, exist_ok=True)
+            self._truncate_after(resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run rewrites the steps the killed run logged past its checkpoint."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.writelines(kept if step > 0 else [])
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def read(self) -> List[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(records: List[dict], path: str) -> Optional[str]:
+    """Write the training (and validation) loss curve as a PNG; None if matplotlib is absent."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

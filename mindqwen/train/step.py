@@ -1,0 +1,166 @@
+"""The training step as graph-mode Cells, compiled once per input shape.
+
+    1. loss · scale, and its gradients w.r.t. the trainable parameters only
+    2. (accumulation) gradients added into accumulator Parameters, micro-batch by micro-batch
+    3. unscale: ÷ loss scale (and ÷ number of micro-batches)
+    4. data parallel: all-reduce (mean) across ranks
+    5. overflow check: ``ms.amp.all_finite``
+    6. global gradient norm, clipped to ``clip_norm``
+    7. optimizer update, skipped when a gradient overflowed
+    8. loss-scale adjustment (fp16 only): halve on overflow, grow after a clean window
+
+``TrainStep`` fuses 1–8 for one micro-batch; ``AccumulateStep`` (1–2) and ``ApplyAccumulated``
+(3–8) split them for gradient accumulation. No Python state changes per call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import mindspore as ms
+from mindspore import nn, ops
+
+_hyper_map = ops.HyperMap()
+CLIP_EPS = 1e-6  # as torch's clip_grad_norm_
+
+
+class ScaledLoss(nn.Cell):
+    """model(ids, labels=labels) × loss scale: the function the gradients are taken of."""
+
+    def __init__(self, model: nn.Cell, scaler: ms.amp.DynamicLossScaler):
+        super().__init__(auto_prefix=False)
+        self.model, self.scaler = model, scaler
+
+    def construct(self, input_ids, labels):
+        return self.scaler.scale(self.model(input_ids, None, labels))
+
+
+class GradStep(nn.Cell):
+    """Step 1: (loss, scaled gradients); under data parallel the loss is the mean over ranks."""
+
+    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
+                 world: int = 1):
+        super().__init__(auto_prefix=False)
+        self.scaler, self.world = scaler, world
+        self.grad_fn = ms.value_and_grad(ScaledLoss(model, scaler), None, optimizer.parameters)
+        self.all_reduce = ops.AllReduce() if world > 1 else None
+
+    def construct(self, input_ids, labels):
+        scaled_loss, grads = self.grad_fn(input_ids, labels)
+        loss = self.scaler.unscale(scaled_loss)
+        if self.all_reduce is not None:
+            loss = self.all_reduce(loss) / self.world
+        return loss, grads
+
+
+class ApplyGrads(nn.Cell):
+    """Steps 3–8 on summed, scaled gradients; returns (finite, grad_norm)."""
+
+    def __init__(self, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler, clip_norm: float,
+                 dynamic_scaling: bool, reducer: Optional[nn.Cell] = None):
+        super().__init__(auto_prefix=False)
+        self.optimizer, self.scaler, self.reducer = optimizer, scaler, reducer
+        self.clip_norm, self.dynamic_scaling = float(clip_norm), dynamic_scaling
+
+    def construct(self, grads, divisor):
+        grads = self.scaler.unscale(grads)  # 3.
+        if divisor is not None:
+            grads = _hyper_map(ops.partial(_div_grad, divisor), grads)
+        if self.reducer is not None:  # 4.
+            grads = self.reducer(grads)
+        finite = ms.amp.all_finite(grads)  # 5.
+        norm = ops.sqrt(ops.addn([ops.reduce_sum(ops.square(g.astype(ms.float32))) for g in grads]))  # 6.
+        if self.clip_norm > 0:
+            factor = ops.minimum(self.clip_norm / (norm + CLIP_EPS), 1.0)
+            grads = _hyper_map(ops.partial(_scale_grad, factor), grads)
+        if finite:  # 7.
+            finite = ops.depend(finite, self.optimizer(grads))
+        if self.dynamic_scaling:  # 8.
+            finite = ops.depend(finite, self.scaler.adjust(finite))
+        return finite, norm
+
+
+def _scale_grad(factor, g):
+    return g * factor.astype(g.dtype)
+
+
+def _div_grad(divisor, g):
+    return g / divisor.astype(g.dtype)
+
+
+class TrainStep(nn.Cell):
+    """One optimizer step on one micro-batch: returns (loss, finite, grad_norm)."""
+
+    def __init__(self, grad_step: GradStep, update: ApplyGrads):
+        super().__init__(auto_prefix=False)
+        self.grad_step, self.update = grad_step, update
+
+    def construct(self, input_ids, labels):
+        loss, grads = self.grad_step(input_ids, labels)
+        finite, norm = self.update(grads, None)
+        return loss, finite, norm
+
+
+class AccumulateStep(nn.Cell):
+    """Steps 1–2 for one micro-batch; returns its loss."""
+
+    def __init__(self, grad_step: GradStep, accumulators: ms.ParameterTuple):
+        super().__init__(auto_prefix=False)
+        self.grad_step, self.accumulators = grad_step, accumulators
+
+    def construct(self, input_ids, labels):
+        loss, grads = self.grad_step(input_ids, labels)
+        return ops.depend(loss, _hyper_map(ops.assign_add, self.accumulators, grads))
+
+
+class ApplyAccumulated(nn.Cell):
+    """Steps 3–8 on the accumulated gradients, then zero the accumulators."""
+
+    def __init__(self, update: ApplyGrads, accumulators: ms.ParameterTuple, micro_batches: int):
+        super().__init__(auto_prefix=False)
+        self.update, self.accumulators = update, accumulators
+        self.divisor = ms.Tensor(float(micro_batches), ms.float32)
+
+    def construct(self):
+        finite, norm = self.update(self.accumulators, self.divisor)
+        zeros = _hyper_map(ops.zeros_like, self.accumulators)
+        return ops.depend(finite, _hyper_map(ops.assign, self.accumulators, zeros)), norm
+
+
+class Stepper:
+    """Host-side driver: one ``__call__`` = one optimizer step over ``micro_batches`` batches.
+
+    Args:
+        model: the network (``model(ids, None, labels)`` returns the loss).
+        optimizer: over the trainable parameters.
+        scaler: loss scaler (scale 1 and ``dynamic_scaling=False`` outside fp16).
+        micro_batches: gradient accumulation factor.
+        clip_norm: global-norm clip (0 disables).
+        world: data-parallel ranks (> 1: gradients and the loss are averaged across them).
+    """
+
+    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
+                 micro_batches: int = 1, clip_norm: float = 1.0, dynamic_scaling: bool = False,
+                 world: int = 1):
+        reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
+        grad_step = GradStep(model, optimizer, scaler, world)
+        update = ApplyGrads(optimizer, scaler, clip_norm, dynamic_scaling, reducer)
+        self.micro_batches = micro_batches
+        if micro_batches == 1:
+            self.step = TrainStep(grad_step, update)
+        else:
+            # "accum" is taken: nn.SGD names its momentum buffers so, and a name clash makes
+            # MindSpore rename every parameter by its cell path at compile time.
+            accumulators = optimizer.parameters.clone(prefix="grad_accum", init="zeros")
+            self.accumulate = AccumulateStep(grad_step, accumulators)
+            self.apply = ApplyAccumulated(update, accumulators, micro_batches)
+
+    def __call__(self, batches):
+        """batches: ``micro_batches`` (input_ids, labels) Tensor pairs → (mean loss, finite, norm)."""
+        if self.micro_batches == 1:
+            (ids, labels), = batches
+            loss, finite, norm = self.step(ids, labels)
+            return float(loss.asnumpy()), bool(finite.asnumpy()), float(norm.asnumpy())
+        losses = [self.accumulate(ids, labels) for ids, labels in batches]
+        finite, norm = self.apply()
+        return (sum(float(x.asnumpy()) for x in losses) / len(losses), bool(finite.asnumpy()),
+                float(norm.asnumpy()))
