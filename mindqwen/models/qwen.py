@@ -196,7 +196,9 @@ class Attention(nn.Cell):
         q = q.reshape(b, self.num_kv_heads, self.n_rep * s, d)  # (B, KV, n_rep·S, D)
         scores = self.bmm_qk(q, k).astype(ms.float32) * self.scale  # (B, KV, n_rep·S, T)
         scores = scores.reshape(b, self.num_kv_heads, self.n_rep, s, t)
-        scores = ops.masked_fill(scores, mask.expand_dims(1), MASK_VALUE)
+        # Additive, not masked_fill: MindSpore's CPU MaskedFill kernels keep per-element index
+        # buffers for their lifetime (~1 GB at 8 layers × 512 tokens); the sum is exact.
+        scores = scores + mask.expand_dims(1).astype(ms.float32) * MASK_VALUE
         probs = ops.softmax(scores, -1).astype(v.dtype)
         out = ops.matmul(probs.reshape(b, self.num_kv_heads, self.n_rep * s, t), v)
         return out.reshape(b, self.num_heads, s, d)  # (B, N, S, D)

@@ -1,0 +1,225 @@
+"""Recipes: one YAML file composing model + data + LoRA + trainer + parallel + export.
+
+The YAML mirrors the typed dataclasses below. Loading is strict: an unknown key is an error
+naming the file, line, key path and the closest valid key; a wrong type names the key, the
+expected and the given type. ``key.path=value`` overrides (from the command line) are parsed as
+YAML scalars or flow lists (``lora.target_modules=[q_proj,v_proj]``) and checked the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import yaml
+
+from mindqwen.lora import LoraConfig
+from mindqwen.train.config import TrainerConfig
+from mindqwen.train.precision import PrecisionConfig
+
+
+class RecipeError(ValueError):
+    """A recipe that does not load or validate; the message names the file and key."""
+
+
+@dataclass
+class ModelSection:
+    """Attributes:
+        checkpoint: HF folder to start from (config.json + safetensors); None builds from
+            ``preset`` / ``config`` with random weights.
+        preset: a published shape (``mindqwen.presets.PRESETS``), used without a checkpoint.
+        config: QwenConfig field overrides (e.g. a tiny ``num_hidden_layers`` for a test).
+        dtype: parameter dtype: float32 | float16 | bfloat16 (Ascend only).
+    """
+
+    checkpoint: Optional[str] = None
+    preset: Optional[str] = None
+    config: Dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+
+
+@dataclass
+class DataSection:
+    """Attributes:
+        train: training tokens: a ``.npy`` int array [examples, seq_len].
+        eval: validation tokens, same format (optional).
+        seq_length: tokens per example (checked against the files).
+    """
+
+    train: Optional[str] = None
+    eval: Optional[str] = None
+    seq_length: int = 256
+
+
+@dataclass
+class ParallelSection:
+    """Attributes: data_parallel, tensor_parallel, pipeline_parallel degrees (their product must
+    equal the number of devices); tensor/pipeline parallel apply on Ascend clusters."""
+
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+
+
+@dataclass
+class ExportSection:
+    """Attributes:
+        enabled: export MindIR after training.
+        batch_sizes: exported batch sizes.
+        max_seq_len: longest sequence the exported graphs accept.
+        soc_version: MindSpore Lite target (Ascend310 | Ascend310P | Ascend910).
+        precision_mode: converter precision mode (e.g. enforce_fp16 | enforce_fp32 | preferred_fp32).
+    """
+
+    enabled: bool = False
+    batch_sizes: List[int] = field(default_factory=lambda: [1])
+    max_seq_len: int = 2048
+    soc_version: str = "Ascend310"
+    precision_mode: str = "enforce_fp16"
+
+
+@dataclass
+class Recipe:
+    """A complete training recipe (see ``docs/recipes.md``)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    lora: Optional[LoraConfig] = None
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    export: ExportSection = field(default_factory=ExportSection)
+
+
+# ---------------------------------------------------------------------------- loading
+def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override, type-check and build a ``Recipe`` from ``path``.
+
+    Raises:
+        RecipeError: naming the file, line and key of the first problem.
+    """
+    if not os.path.isfile(path):
+        raise RecipeError(f"{path}: recipe file not found")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        node = yaml.compose(text)
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({e})") from None
+    lines = _key_lines(node) if node is not None else {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    for item in overrides:
+        lines.pop(_apply_override(raw, item, path), None)  # errors there point at the override
+    return _build(Recipe, raw, path, "", lines)
+
+
+def _apply_override(raw: dict, item: str, path: str) -> str:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"{path}: override {item!r} must look like section.key=value")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError:
+        parsed = value
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise RecipeError(f"{path}: override {key}: {part} is not a section")
+    node[parts[-1]] = parsed
+    return key
+
+
+def _key_lines(node, prefix: str = "") -> Dict[str, int]:
+    """key path → 1-based line, from the YAML node tree."""
+    out: Dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            path = f"{prefix}{k.value}"
+            out[path] = k.start_mark.line + 1
+            out.update(_key_lines(v, path + "."))
+    return out
+
+
+def _where(path: str, key: str, lines: Dict[str, int]) -> str:
+    line = lines.get(key)
+    return f"{path}:{line}" if line else f"{path} (override)"
+
+
+def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{_where(path, prefix.rstrip('.'), lines)}: {prefix.rstrip('.') or 'recipe'} must be "
+                          f"a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        full = prefix + str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            raise RecipeError(f"{_where(path, full, lines)}: unknown key {full}{hint}")
+        kwargs[key] = _coerce(hints[key], value, path, full, lines)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{path}: {prefix.rstrip('.') or 'recipe'}: {e}") from None
+
+
+_SECTIONS = (ModelSection, DataSection, ParallelSection, ExportSection, LoraConfig, TrainerConfig, PrecisionConfig)
+
+
+def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, path, key, lines)
+            except RecipeError as e:
+                errors.append(e)
+        raise errors[-1] if len(options) == 1 else RecipeError(
+            f"{_where(path, key, lines)}: {key} must be {' or '.join(_name(o) for o in options)}, "
+            f"got {type(value).__name__} {value!r}")
+    if hint in _SECTIONS:
+        return _build(hint, {} if value is None else value, path, key + ".", lines)
+    if origin in (list, List):
+        if not isinstance(value, list):
+            raise RecipeError(f"{_where(path, key, lines)}: {key} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(args[0], v, path, key, lines) for v in value] if args else value
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise RecipeError(f"{_where(path, key, lines)}: {key} must be a mapping, got {type(value).__name__}")
+        return value
+    if hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise RecipeError(f"{_where(path, key, lines)}: {key} must be {_name(hint)}, got "
+                          f"{type(value).__name__} {value!r}")
+    return value
+
+
+def _name(hint) -> str:
+    return getattr(hint, "__name__", str(hint)).replace("typing.", "")
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The recipe as plain data (for writing next to checkpoints)."""
+    return dataclasses.asdict(recipe)
