@@ -257,3 +257,14 @@ def test_data_parallel_two_workers_match_one_process(tmp_path):
     print(f"2-worker data parallel vs one process, max param diff after 3 steps: {worst:.1e}")
     assert worst <= 1e-5
     assert _losses(tmp_path / "dp")[0] == pytest.approx(_losses(tmp_path / "single")[0], abs=1e-5)
+
+
+def test_out_of_memory_names_the_knobs():
+    from mindqwen.train.loop import explain_out_of_memory
+    config = TrainerConfig(micro_batch_size=8, gradient_accumulation=2)
+    err = explain_out_of_memory(RuntimeError("Malloc for kernel output failed, Memory isn't enough"), config)
+    assert isinstance(err, MemoryError)
+    assert "trainer.micro_batch_size=4 with trainer.gradient_accumulation=4" in str(err)
+    assert "trainer.recompute=full" in str(err)
+    other = RuntimeError("shape mismatch")
+    assert explain_out_of_memory(other, config) is other

@@ -300,6 +300,7 @@ class QwenForCausalLM(nn.Cell):
         if not self.tied:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.head_matmul = ops.MatMul(transpose_b=True)
+        self.cross_entropy = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="none")
         self.vocab_size = config.vocab_size
 
     def construct(self, input_ids, attention_mask=None, labels=None):
@@ -317,10 +318,17 @@ class QwenForCausalLM(nn.Cell):
         return self.lm_head(h)
 
     def loss(self, logits, labels):
-        """Mean cross-entropy of logits[:, t] against labels[:, t+1], ignoring -100, in fp32."""
-        shift_logits = logits[:, :-1].reshape(-1, self.vocab_size).astype(ms.float32)
-        shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)
-        return ops.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
+        """Mean cross-entropy of logits[:, t] against labels[:, t+1], ignoring -100, in fp32.
+
+        The fused sparse softmax-cross-entropy kernel (loss and gradient in one) keeps far
+        fewer vocabulary-sized buffers alive on CPU than ``ops.cross_entropy``.
+        """
+        shift_logits = logits[:, :-1].reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
+        shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # (T,)
+        keep = shift_labels != IGNORE_INDEX
+        per_token = self.cross_entropy(shift_logits, ops.select(keep, shift_labels, ops.zeros_like(shift_labels)))
+        keep = keep.astype(ms.float32)
+        return ops.reduce_sum(per_token * keep) / ops.maximum(ops.reduce_sum(keep), 1.0)
 
     def save_pretrained(self, folder: str, dtype: Optional[str] = None,
                         max_shard_size: str = "5GB") -> None:
