@@ -268,3 +268,23 @@ def test_out_of_memory_names_the_knobs():
     assert "trainer.recompute=full" in str(err)
     other = RuntimeError("shape mismatch")
     assert explain_out_of_memory(other, config) is other
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
+    pytest.importorskip("tensorboardX", reason="tensorboardX not installed (optional)")
+    import struct
+    from tensorboardX.proto import event_pb2
+    config = TrainerConfig(max_steps=3, micro_batch_size=4, output_dir=str(tmp_path), progress=False,
+                           tensorboard=True)
+    fit(lora_model(), TokenDataset(RNG_DATA), config)
+    losses = []
+    for name in os.listdir(tmp_path / "tensorboard"):  # TFRecord: length, crc, payload, crc
+        data = open(tmp_path / "tensorboard" / name, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            losses += [v.simple_value for v in event.summary.value if v.tag == "train/loss"]
+    logged = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl")]
+    assert losses == pytest.approx(logged, rel=1e-6)

@@ -32,6 +32,8 @@ class TrainerConfig:
         shuffle: reshuffle the training set every epoch.
         output_dir: where checkpoints, metrics.jsonl, the loss curve and the adapter go.
         progress: show a tqdm progress bar.
+        tensorboard: also write metrics as TensorBoard scalars to ``output_dir/tensorboard``
+            (needs ``pip install tensorboardX``).
         mode: graph (compiled, the default) | pynative (eager, for debugging).
     """
 
@@ -59,6 +61,7 @@ class TrainerConfig:
     shuffle: bool = True
     output_dir: str = "outputs/run"
     progress: bool = True
+    tensorboard: bool = False
     mode: str = "graph"
 
     def __post_init__(self) -> None:

@@ -62,6 +62,8 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     mb = config.micro_batch_size
     loader = BatchLoader(train_data, mb * config.gradient_accumulation, config.seed, config.shuffle, rank, world)
     log = MetricsLog(config.output_dir, start, enabled=main)
+    if config.tensorboard:
+        log.open_tensorboard(os.path.join(config.output_dir, "tensorboard"))
     seq = train_data.input_ids.shape[1]
     tokens = mb * config.gradient_accumulation * seq  # per rank and step
     trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
@@ -100,6 +102,7 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
                                         recipe_text, config.keep_last)
 
     # 4. finish: final weights in an interchange format, and the loss curve
+    log.close()
     outputs = {"checkpoint": last_ckpt}
     if main:
         if getattr(model, "lora_config", None) is not None:

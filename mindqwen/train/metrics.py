@@ -61,6 +61,7 @@ class MetricsLog:
     def __init__(self, output_dir: str, resume_step: int = 0, enabled: bool = True):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.enabled = enabled
+        self.tensorboard = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
             self._truncate_after(resume_step)
@@ -78,6 +79,26 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.tensorboard is not None:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        self.tensorboard.add_scalar(f"train/{key}", float(value), record["step"])
+                self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()  # its writer thread may still hold the last events
+
+    def open_tensorboard(self, log_dir: str) -> None:
+        """Also write every numeric metric as a TensorBoard scalar (needs ``tensorboardX``)."""
+        if not self.enabled:
+            return
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError("trainer.tensorboard=true needs the tensorboardX package: "
+                              "pip install tensorboardX") from None
+        self.tensorboard = SummaryWriter(log_dir)
 
     def read(self) -> List[dict]:
         if not os.path.exists(self.path):
