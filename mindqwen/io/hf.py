@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mindqwen.config import QwenConfig
+from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
 from mindqwen.models.qwen import QwenForCausalLM
 
@@ -39,11 +40,10 @@ def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     index_path, single_path = os.path.join(folder, INDEX_FILE), os.path.join(folder, SINGLE_FILE)
     if os.path.isfile(index_path):
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from None
+        weight_map = read_json(index_path, CheckpointError, "safetensors index")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: not a safetensors index (no weight_map)")
         files = {name: SafetensorsFile(os.path.join(folder, name)) for name in sorted(set(weight_map.values()))}
         for key, name in weight_map.items():
             if key not in files[name]:
