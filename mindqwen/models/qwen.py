@@ -169,7 +169,8 @@ class Attention(nn.Cell):
         # Flash attention has no sliding-window mask input here: those layers stay hand-written.
         self.use_flash = use_fused_ops and not self.sliding
         self.scale = d ** -0.5
-        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)  # primitives, so tensor parallel can shard them
+        self.bmm_pv = ops.BatchMatMul()
 
     def construct(self, x, cos, sin, mask):
         """x (B, S, H); cos/sin (B, 1, S, D); mask (B, 1, S, S) bool, True = not attended."""
@@ -200,7 +201,7 @@ class Attention(nn.Cell):
         # buffers for their lifetime (~1 GB at 8 layers × 512 tokens); the sum is exact.
         scores = scores + mask.expand_dims(1).astype(ms.float32) * MASK_VALUE
         probs = ops.softmax(scores, -1).astype(v.dtype)
-        out = ops.matmul(probs.reshape(b, self.num_kv_heads, self.n_rep * s, t), v)
+        out = self.bmm_pv(probs.reshape(b, self.num_kv_heads, self.n_rep * s, t), v)
         return out.reshape(b, self.num_heads, s, d)  # (B, N, S, D)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import replace
 from typing import Optional
 
 import mindspore as ms
@@ -15,7 +16,7 @@ from mindqwen.data.loader import BatchLoader, TokenDataset
 from mindqwen.lora import save_adapter
 from mindqwen.train import checkpoint
 from mindqwen.train.config import TrainerConfig
-from mindqwen.train.distributed import init_data_parallel
+from mindqwen.train.distributed import ParallelConfig, init_parallel, setup_model_parallel
 from mindqwen.train.metrics import (MetricsLog, measure_matmul_peak_gflops, peak_memory_mb,
                                     plot_loss_curve, train_flops_per_token)
 from mindqwen.train.optim import WarmupSchedule, make_optimizer
@@ -29,7 +30,8 @@ class TrainingDiverged(RuntimeError):
 
 
 def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
-        eval_data: Optional[TokenDataset] = None, recipe_text: Optional[str] = None) -> dict:
+        eval_data: Optional[TokenDataset] = None, recipe_text: Optional[str] = None,
+        parallel: Optional[ParallelConfig] = None) -> dict:
     """Train ``model`` (its trainable parameters: LoRA or all) in graph mode.
 
     Writes ``metrics.jsonl``, checkpoints (``checkpoints/step_*``), ``loss_curve.png`` and, at
@@ -39,8 +41,12 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     # 1. set-up: mode, seed, ranks, precision, recompute, optimizer, step Cells
     ms.set_context(mode=ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(config.seed)
-    rank, world = init_data_parallel()
+    parallel = parallel or ParallelConfig()
+    rank, world = init_parallel(parallel)
     main = rank == 0
+    if parallel.model_parallel:  # each rank holds, and saves, its slice of the model
+        config = replace(config, output_dir=setup_model_parallel(model, parallel, config.output_dir, rank))
+        main, rank, world = True, 0, 1  # every rank reads the whole global batch (full_batch)
     apply_precision(model, config.precision)
     apply_recompute(model, config.recompute, config.recompute_every)
     schedule = WarmupSchedule(config.schedule, config.lr, config.max_steps, config.warmup_steps, config.min_lr)
@@ -48,7 +54,8 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
                                (config.beta1, config.beta2), config.eps)
     scaler = make_loss_scaler(config.precision)
     dynamic = config.precision.uses_loss_scaling
-    stepper = Stepper(model, optimizer, scaler, config.gradient_accumulation, config.clip_norm, dynamic, world)
+    stepper = Stepper(model, optimizer, scaler, config.gradient_accumulation, config.clip_norm, dynamic, world,
+                      parallel)
     model.set_train(True)
 
     # 2. resume

@@ -18,6 +18,7 @@ import yaml
 
 from mindqwen.lora import LoraConfig
 from mindqwen.train.config import TrainerConfig
+from mindqwen.train.distributed import ParallelConfig
 from mindqwen.train.precision import PrecisionConfig
 
 
@@ -55,16 +56,6 @@ class DataSection:
 
 
 @dataclass
-class ParallelSection:
-    """Attributes: data_parallel, tensor_parallel, pipeline_parallel degrees (their product must
-    equal the number of devices); tensor/pipeline parallel apply on Ascend clusters."""
-
-    data_parallel: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-
-
-@dataclass
 class ExportSection:
     """Attributes:
         enabled: export MindIR after training.
@@ -89,7 +80,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     lora: Optional[LoraConfig] = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportSection = field(default_factory=ExportSection)
 
 
@@ -173,7 +164,7 @@ def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
         raise RecipeError(f"{path}: {prefix.rstrip('.') or 'recipe'}: {e}") from None
 
 
-_SECTIONS = (ModelSection, DataSection, ParallelSection, ExportSection, LoraConfig, TrainerConfig, PrecisionConfig)
+_SECTIONS = (ModelSection, DataSection, ParallelConfig, ExportSection, LoraConfig, TrainerConfig, PrecisionConfig)
 
 
 def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):

@@ -19,6 +19,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore import nn, ops
 
+from mindqwen.train.distributed import ParallelConfig
+
 _hyper_map = ops.HyperMap()
 CLIP_EPS = 1e-6  # as torch's clip_grad_norm_
 
@@ -35,18 +37,26 @@ class ScaledLoss(nn.Cell):
 
 
 class GradStep(nn.Cell):
-    """Step 1: (loss, scaled gradients); under data parallel the loss is the mean over ranks."""
+    """Step 1: (loss, scaled gradients); under data parallel the loss is the mean over ranks.
+
+    With ``pipeline_micro_batches`` > 1 (pipeline parallel) the batch is cut into that many
+    micro-batches that flow through the stages; loss and gradients are their sums.
+    """
 
     def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
-                 world: int = 1):
+                 world: int = 1, pipeline_micro_batches: int = 1):
         super().__init__(auto_prefix=False)
         self.scaler, self.world = scaler, world
-        self.grad_fn = ms.value_and_grad(ScaledLoss(model, scaler), None, optimizer.parameters)
+        loss_net = ScaledLoss(model, scaler)
+        if pipeline_micro_batches > 1:
+            loss_net = nn.PipelineCell(loss_net, pipeline_micro_batches)
+        self.pipeline_micro_batches = float(pipeline_micro_batches)
+        self.grad_fn = ms.value_and_grad(loss_net, None, optimizer.parameters)
         self.all_reduce = ops.AllReduce() if world > 1 else None
 
     def construct(self, input_ids, labels):
         scaled_loss, grads = self.grad_fn(input_ids, labels)
-        loss = self.scaler.unscale(scaled_loss)
+        loss = self.scaler.unscale(scaled_loss) / self.pipeline_micro_batches
         if self.all_reduce is not None:
             loss = self.all_reduce(loss) / self.world
         return loss, grads
@@ -90,13 +100,14 @@ def _div_grad(divisor, g):
 class TrainStep(nn.Cell):
     """One optimizer step on one micro-batch: returns (loss, finite, grad_norm)."""
 
-    def __init__(self, grad_step: GradStep, update: ApplyGrads):
+    def __init__(self, grad_step: GradStep, update: ApplyGrads, divisor: int = 1):
         super().__init__(auto_prefix=False)
         self.grad_step, self.update = grad_step, update
+        self.divisor = ms.Tensor(float(divisor), ms.float32) if divisor > 1 else None
 
     def construct(self, input_ids, labels):
         loss, grads = self.grad_step(input_ids, labels)
-        finite, norm = self.update(grads, None)
+        finite, norm = self.update(grads, self.divisor)
         return loss, finite, norm
 
 
@@ -136,23 +147,31 @@ class Stepper:
         micro_batches: gradient accumulation factor.
         clip_norm: global-norm clip (0 disables).
         world: data-parallel ranks (> 1: gradients and the loss are averaged across them).
+        parallel: a tensor/pipeline-parallel layout (semi-auto parallel, Ascend): the framework
+            then inserts the gradient reductions, and pipeline micro-batches are summed.
     """
 
     def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
                  micro_batches: int = 1, clip_norm: float = 1.0, dynamic_scaling: bool = False,
-                 world: int = 1):
-        reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
-        grad_step = GradStep(model, optimizer, scaler, world)
+                 world: int = 1, parallel: Optional[ParallelConfig] = None):
+        pipeline = 1
+        if parallel is not None and parallel.model_parallel:
+            pipeline = parallel.pipeline_micro_batches if parallel.pipeline_parallel > 1 else 1
+            reducer = nn.PipelineGradReducer(optimizer.parameters) if pipeline > 1 else None
+            world = 1  # semi-auto parallel: loss and gradients come out already reduced
+        else:
+            reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
+        grad_step = GradStep(model, optimizer, scaler, world, pipeline)
         update = ApplyGrads(optimizer, scaler, clip_norm, dynamic_scaling, reducer)
         self.micro_batches = micro_batches
         if micro_batches == 1:
-            self.step = TrainStep(grad_step, update)
+            self.step = TrainStep(grad_step, update, pipeline)
         else:
             # "accum" is taken: nn.SGD names its momentum buffers so, and a name clash makes
             # MindSpore rename every parameter by its cell path at compile time.
             accumulators = optimizer.parameters.clone(prefix="grad_accum", init="zeros")
             self.accumulate = AccumulateStep(grad_step, accumulators)
-            self.apply = ApplyAccumulated(update, accumulators, micro_batches)
+            self.apply = ApplyAccumulated(update, accumulators, micro_batches * pipeline)
 
     def __call__(self, batches):
         """batches: ``micro_batches`` (input_ids, labels) Tensor pairs → (mean loss, finite, norm)."""

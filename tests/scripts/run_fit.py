@@ -17,7 +17,7 @@ from mindqwen import LoraConfig, apply_lora, from_pretrained  # noqa: E402
 from mindqwen.data.loader import TokenDataset  # noqa: E402
 from mindqwen.train import loop  # noqa: E402
 from mindqwen.train.config import TrainerConfig  # noqa: E402
-from mindqwen.train.distributed import init_data_parallel  # noqa: E402
+from mindqwen.train.distributed import init_parallel  # noqa: E402
 
 
 def main():
@@ -32,7 +32,7 @@ def main():
     args = ap.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)  # LoRA A is drawn before fit() seeds: fix it here
-    rank, world = init_data_parallel()
+    rank, world = init_parallel()
     data = TokenDataset(np.random.default_rng(0).integers(0, 512, (64, 24)))
     model = apply_lora(from_pretrained(fixture_path("qwen2_tiny", "base")), LoraConfig(r=4, lora_alpha=8))
     config = TrainerConfig(max_steps=args.steps, micro_batch_size=args.global_batch // world, lr=5e-3,
