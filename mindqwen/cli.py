@@ -1,48 +1,257 @@
-"""``mindqwen <command>``: a dictionary of subcommands to ordinary functions."""
+"""``mindqwen <command>``: a dictionary of subcommands to ordinary functions.
+
+Every command takes ``--help`` (with a worked example); errors print one line and exit 1
+(``--debug`` shows the traceback).
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from typing import Callable, Dict, List, Optional
 
 
+def _parser(command: Callable, example: str) -> argparse.ArgumentParser:
+    name = command.__name__[len("cmd_"):]
+    return argparse.ArgumentParser(prog=f"mindqwen {name}", description=command.__doc__,
+                                   epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _load_model(folder: str, adapter: Optional[str] = None):
+    from mindqwen import from_pretrained, load_adapter
+    model = from_pretrained(folder)
+    return load_adapter(model, adapter) if adapter else model
+
+
+def cmd_train(argv: List[str]) -> None:
+    """Run a training recipe end to end (data, model, training, evaluation, adapter, export)."""
+    p = _parser(cmd_train, "mindqwen train recipes/demo/demo.yaml trainer.max_steps=100 lora.r=16")
+    p.add_argument("recipe", help="recipe YAML (see `mindqwen recipes ls`)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = p.parse_intermixed_args(argv)  # overrides may follow options
+    from mindqwen.train.recipe import load_recipe
+    from mindqwen.train.run import train_recipe
+    recipe = load_recipe(args.recipe, args.overrides)
+    with open(args.recipe, encoding="utf-8") as f:
+        text = f.read() + "".join(f"\n# override: {o}" for o in args.overrides)
+    summary = train_recipe(recipe, text)
+    print(f"outputs in {summary['output_dir']}: summary.json, metrics.jsonl, loss_curve.png, "
+          + ", ".join(f"{k}={v}" for k, v in summary["train"]["outputs"].items() if v))
+
+
+def cmd_eval(argv: List[str]) -> None:
+    """Validation loss and perplexity (and exact match for prompt/response data) of a model."""
+    p = _parser(cmd_eval, "mindqwen eval outputs/demo/pretrain/model --adapter outputs/demo/adapter "
+                          "--data outputs/demo/data/eval.jsonl --tokenizer outputs/demo/data/tokenizer.model")
+    p.add_argument("model", help="HF folder")
+    p.add_argument("--adapter", help="PEFT adapter folder to load on top")
+    p.add_argument("--data", required=True, help=".jsonl prompt/response pairs, or .npy token rows")
+    p.add_argument("--tokenizer", help="SentencePiece .model (for .jsonl)")
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    args = p.parse_args(argv)
+    import math
+    from mindqwen.data.tokenizer import SentencePieceTokenizer
+    from mindqwen.evaluate import exact_match
+    from mindqwen.train.loop import evaluate
+    from mindqwen.train.run import load_split
+    tokenizer = SentencePieceTokenizer(args.tokenizer) if args.tokenizer else None
+    data, pairs = load_split(args.data, tokenizer, args.seq_length)
+    model = _load_model(args.model, args.adapter)
+    loss = evaluate(model, data, min(args.batch_size, len(data)))
+    print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 50)):.3f}  ({len(data)} examples)")
+    if pairs:
+        longest = max(len(tokenizer.encode(r)) for _, r in pairs)
+        accuracy, _ = exact_match(model, tokenizer, pairs, longest + 1)
+        print(f"exact match {accuracy:.1%}")
+
+
 def cmd_generate(argv: List[str]) -> None:
-    """Greedy generation from an HF checkpoint folder, prompt given as token ids."""
-    p = argparse.ArgumentParser(
-        prog="mindqwen generate", description=cmd_generate.__doc__,
-        epilog="example: mindqwen generate tests/fixtures/qwen2_tiny/base --input-ids 483,320,350 "
-               "--max-new-tokens 16")
-    p.add_argument("checkpoint", help="HF folder: config.json + model.safetensors")
-    p.add_argument("--input-ids", required=True, help="comma-separated prompt token ids")
+    """Greedy generation from an HF folder (optionally with a LoRA adapter)."""
+    p = _parser(cmd_generate, "mindqwen generate tests/fixtures/qwen2_tiny/base --input-ids 483,320,350 "
+                              "--max-new-tokens 16")
+    p.add_argument("model", help="HF folder: config.json + model.safetensors")
+    p.add_argument("--adapter", help="PEFT adapter folder to load on top")
+    p.add_argument("--input-ids", help="comma-separated prompt token ids")
+    p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
+    p.add_argument("--tokenizer", help="SentencePiece .model")
     p.add_argument("--max-new-tokens", type=int, default=16)
     args = p.parse_args(argv)
-    import mindspore as ms
-    from mindqwen import from_pretrained
+    from mindqwen.data.tokenizer import SentencePieceTokenizer
     from mindqwen.generate import generate
-    ms.set_device("CPU") if ms.get_context("device_target") == "CPU" else None
-    try:
-        prompt = [[int(t) for t in args.input_ids.split(",")]]
-    except ValueError:
-        raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
-    model = from_pretrained(args.checkpoint)
-    out = generate(model, prompt, max_new_tokens=args.max_new_tokens, progress=True)
-    print("prompt:   ", prompt[0])
-    print("generated:", out[0, len(prompt[0]):].tolist())
+    tokenizer = SentencePieceTokenizer(args.tokenizer) if args.tokenizer else None
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ValueError("--prompt needs --tokenizer (or give --input-ids)")
+        prompt = tokenizer.encode(args.prompt)
+    elif args.input_ids:
+        try:
+            prompt = [int(t) for t in args.input_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
+    else:
+        raise ValueError("give --prompt (with --tokenizer) or --input-ids")
+    model = _load_model(args.model, args.adapter)
+    eos = tokenizer.eos_token_id if tokenizer else None
+    new = generate(model, [prompt], args.max_new_tokens, eos, progress=True)[0, len(prompt):].tolist()
+    print("prompt:   ", args.prompt if args.prompt is not None else prompt)
+    print("generated:", tokenizer.decode([t for t in new if t != eos]) if tokenizer else new)
 
 
-COMMANDS: Dict[str, Callable[[List[str]], None]] = {"generate": cmd_generate}
+def cmd_export(argv: List[str]) -> None:
+    """Export the prefill graph to MindIR and check it against the eager model."""
+    p = _parser(cmd_export, "mindqwen export tests/fixtures/qwen2_tiny/base --output out/prefill.mindir "
+                            "--seq-length 64")
+    p.add_argument("model", help="HF folder")
+    p.add_argument("--adapter", help="PEFT adapter folder to load (and merge) first")
+    p.add_argument("--output", required=True, help="*.mindir path")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=128)
+    args = p.parse_args(argv)
+    from mindqwen import merge_and_unload
+    from mindqwen.export import export_mindir
+    model = _load_model(args.model, args.adapter)
+    if args.adapter:
+        model = merge_and_unload(model)
+    diff = export_mindir(model, args.output, args.batch_size, args.seq_length)
+    print(f"wrote {args.output}; exported graph vs eager: max |Δlogit| = {diff:.1e}")
+
+
+def cmd_convert(argv: List[str]) -> None:
+    """Convert between an HF safetensors folder and a MindSpore .ckpt file (by the file suffix)."""
+    p = _parser(cmd_convert, "mindqwen convert tests/fixtures/qwen2_tiny/base out/model.ckpt\n"
+                             "  mindqwen convert out/model.ckpt out/hf --config tests/fixtures/qwen2_tiny/base")
+    p.add_argument("source", help="HF folder, or .ckpt")
+    p.add_argument("target", help=".ckpt, or HF folder")
+    p.add_argument("--config", help="for .ckpt → HF: folder (or config.json) with the model config")
+    args = p.parse_args(argv)
+    import mindspore as ms
+    from mindqwen import QwenConfig, QwenForCausalLM, from_pretrained
+    from mindqwen.io.hf import load_checkpoint_file
+    if os.path.isdir(args.source):
+        if not args.target.endswith(".ckpt"):
+            raise ValueError(f"target {args.target!r}: converting an HF folder writes a .ckpt file")
+        model = from_pretrained(args.source)
+        tmp = args.target + ".tmp.ckpt"
+        ms.save_checkpoint(model, tmp)
+        os.replace(tmp, args.target)
+    else:
+        if not args.config:
+            raise ValueError("converting a .ckpt needs --config (the HF folder or config.json it belongs to)")
+        model = QwenForCausalLM(QwenConfig.from_hf(args.config))
+        load_checkpoint_file(model, args.source)
+        model.save_pretrained(args.target)
+    print(f"wrote {args.target}")
+
+
+def cmd_merge(argv: List[str]) -> None:
+    """Merge a PEFT LoRA adapter into its base model and save an HF folder."""
+    p = _parser(cmd_merge, "mindqwen merge tests/fixtures/qwen2_tiny/base tests/fixtures/qwen2_tiny/lora_adapter "
+                           "out/merged")
+    p.add_argument("model", help="base HF folder")
+    p.add_argument("adapter", help="PEFT adapter folder")
+    p.add_argument("output", help="HF folder to write")
+    args = p.parse_args(argv)
+    from mindqwen import merge_and_unload
+    merge_and_unload(_load_model(args.model, args.adapter)).save_pretrained(args.output)
+    print(f"wrote {args.output}")
+
+
+def cmd_preprocess(argv: List[str]) -> None:
+    """Tokenize text (.txt, packed) or prompt/response pairs (.jsonl) into fixed-length rows (.npz)."""
+    p = _parser(cmd_preprocess, "mindqwen preprocess outputs/demo/data/train.jsonl out/train.npz "
+                                "--tokenizer outputs/demo/data/tokenizer.model --seq-length 32")
+    p.add_argument("input", help=".txt (one document per line) or .jsonl ({prompt, response} records)")
+    p.add_argument("output", help=".npz with input_ids and labels")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
+    p.add_argument("--seq-length", type=int, default=256)
+    args = p.parse_args(argv)
+    import numpy as np
+    from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs
+    from mindqwen.data.tokenizer import SentencePieceTokenizer
+    tokenizer = SentencePieceTokenizer(args.tokenizer)
+    if args.input.endswith(".jsonl"):
+        data = encode_pairs(read_pairs(args.input), tokenizer, args.seq_length)
+    elif args.input.endswith(".txt"):
+        with open(args.input, encoding="utf-8") as f:
+            data = pack_text(f.read().splitlines(), tokenizer, args.seq_length)
+    else:
+        raise ValueError(f"{args.input}: expected .txt or .jsonl")
+    if not args.output.endswith(".npz"):
+        raise ValueError(f"output {args.output!r} must end with .npz")
+    tmp = args.output[:-4] + ".tmp.npz"
+    np.savez(tmp, input_ids=data.input_ids, labels=data.labels)
+    os.replace(tmp, args.output)
+    print(f"wrote {args.output}: {len(data)} rows of {args.seq_length} tokens")
+
+
+def cmd_estimate(argv: List[str]) -> None:
+    """Memory per device for a recipe (weights, gradients, optimizer, activations) and whether it fits."""
+    p = _parser(cmd_estimate, "mindqwen estimate recipes/qwen2_5/7b_lora.yaml --device 910B")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--device", default="910B", help="910B | 910A | 310P | CPU | memory in GB (e.g. 24)")
+    args = p.parse_intermixed_args(argv)  # overrides may follow options
+    from mindqwen.estimate import estimate_recipe, format_estimate
+    from mindqwen.train.recipe import load_recipe
+    print(format_estimate(estimate_recipe(load_recipe(args.recipe, args.overrides), args.device)))
+
+
+def cmd_validate(argv: List[str]) -> None:
+    """Load and type-check a recipe, check its files and parallel layout, and build its model."""
+    p = _parser(cmd_validate, "mindqwen validate recipes/qwen2_5/7b_lora.yaml --tiny")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--tiny", action="store_true",
+                   help="build a tiny model of the same architecture instead of the real checkpoint")
+    args = p.parse_intermixed_args(argv)  # overrides may follow options
+    from mindqwen.train.validate import validate_recipe
+    print(validate_recipe(args.recipe, args.overrides, args.tiny))
+
+
+def cmd_recipes(argv: List[str]) -> None:
+    """List the bundled recipes, or copy one to edit."""
+    p = _parser(cmd_recipes, "mindqwen recipes ls\n  mindqwen recipes cp qwen2_5/7b_lora my_recipe.yaml")
+    p.add_argument("action", choices=["ls", "cp"])
+    p.add_argument("name", nargs="?", help="cp: recipe name as listed by ls")
+    p.add_argument("dest", nargs="?", help="cp: destination file")
+    args = p.parse_args(argv)
+    from mindqwen.train.recipe import bundled_recipes
+    recipes = bundled_recipes()
+    if args.action == "ls":
+        for name, path in recipes.items():
+            with open(path, encoding="utf-8") as f:
+                print(f"{name:28s} {f.readline().lstrip('# ').strip()}")
+        return
+    if not args.name or not args.dest:
+        raise ValueError("usage: mindqwen recipes cp <name> <dest.yaml>")
+    if args.name not in recipes:
+        raise ValueError(f"no bundled recipe {args.name!r}; `mindqwen recipes ls` lists them")
+    if os.path.exists(args.dest):
+        raise ValueError(f"{args.dest} exists; not overwriting it")
+    shutil.copyfile(recipes[args.name], args.dest)
+    print(f"copied {args.name} to {args.dest}")
+
+
+COMMANDS: Dict[str, Callable[[List[str]], None]] = {
+    "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "export": cmd_export,
+    "convert": cmd_convert, "merge": cmd_merge, "preprocess": cmd_preprocess, "estimate": cmd_estimate,
+    "validate": cmd_validate, "recipes": cmd_recipes,
+}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: mindqwen {" + ",".join(COMMANDS) + "} ...  (--help on each)")
+        print("usage: mindqwen {" + ",".join(COMMANDS) + "} ...  (--help on each)\n"
+              + "\n".join(f"  {name:11s} {fn.__doc__.splitlines()[0]}" for name, fn in COMMANDS.items()))
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
         COMMANDS[argv[0]](argv[1:])
-    except (ValueError, OSError) as e:  # ConfigError / CheckpointError are ValueErrors
+    except (ValueError, OSError, KeyError) as e:  # ConfigError / CheckpointError / RecipeError are ValueErrors
         if debug:
             raise
         print(f"mindqwen {argv[0]}: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import HeUniform, Normal, initializer
@@ -159,7 +160,9 @@ class LoRALayer(nn.Cell):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the same Parameter objects
-        r, dtype = config.r, base.weight.dtype
+        # Adapter weights stay fp32 over a fp16/bf16 base (as PEFT's autocast_adapter_dtype):
+        # AdamW updates of ~1e-4·|w| vanish in 8 mantissa bits.
+        r, dtype = config.r, ms.float32
         self.scaling = config.scaling
         self.use_dora = config.use_dora
         self.merged = False
@@ -180,13 +183,13 @@ class LoRALayer(nn.Cell):
         x2, w, a, b = x.reshape(-1, self.in_features), self.weight, self.lora_a, self.lora_b  # (T, in)
         if self.compute_dtype is not None:
             x2, w = x2.astype(self.compute_dtype), w.astype(self.compute_dtype)
-            a, b = a.astype(self.compute_dtype), b.astype(self.compute_dtype)
+        a, b = a.astype(x2.dtype), b.astype(x2.dtype)
         y = self.matmul(x2, w)  # (T, out)
         if not self.merged:
             xd = x2 if self.dropout is None else self.dropout(x2)
             lora = self.matmul(self.matmul(xd, a), b) * self.scaling  # (T, r) -> (T, out)
             if self.use_dora:
-                wd = self.weight + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
+                wd = self.weight.astype(ms.float32) + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
                 norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(wd * wd, 1)))  # (out,)
                 scale = (self.lora_magnitude_vector / norm).astype(y.dtype)
                 yd = y if self.dropout is None else self.matmul(xd, w)
@@ -216,7 +219,7 @@ class LoRALayer(nn.Cell):
         a, b = root[:, None] * vt[:r], u[:, :r] * root[None, :]
         self.lora_a.set_data(Tensor(a.astype(np.float32)))
         self.lora_b.set_data(Tensor(b.astype(np.float32)))
-        self.weight.set_data(Tensor((w - self.scaling * b @ a).astype(np.float32)))
+        self.weight.set_data(Tensor((w - self.scaling * b @ a).astype(np.float32)).astype(self.weight.dtype))
         return {"lora_a": self.lora_a.asnumpy().copy(), "lora_b": self.lora_b.asnumpy().copy()}
 
     def merge(self) -> None:

@@ -58,3 +58,83 @@ def test_missing_file_and_bad_yaml(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
     with pytest.raises(RecipeError, match=r"bad\.yaml: not valid YAML"):
         load_recipe(str(tmp_path / "bad.yaml"))
+
+
+# ---------------------------------------------------------------- bundled recipes and validate
+import dataclasses  # noqa: E402
+import glob  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from conftest import fixture_path  # noqa: E402
+from mindqwen.train import recipe as recipe_module  # noqa: E402
+from mindqwen.train.validate import validate_recipe  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED = sorted(glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True))
+
+
+def test_there_are_bundled_recipes():
+    assert len(BUNDLED) >= 11  # demo + 8 Qwen2.5 + 2 Qwen3
+
+
+@pytest.mark.parametrize("path", BUNDLED, ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_bundled_recipe_validates_and_builds_tiny(path):
+    report = validate_recipe(path, tiny=True)
+    assert report.startswith(f"{path}: ok")
+    with open(path, encoding="utf-8") as f:
+        header = f.read().split("\n\n")[0]
+    assert "Launch:" in header and "Override:" in header  # what it is, how to run it, an override
+
+
+def test_every_recipe_key_is_documented():
+    with open(os.path.join(ROOT, "docs", "recipes.md"), encoding="utf-8") as f:
+        doc = f.read()
+    for cls in recipe_module._SECTIONS:
+        for field in dataclasses.fields(cls):
+            if field.init:
+                assert f"`{field.name}`" in doc, f"{cls.__name__}.{field.name} is not in docs/recipes.md"
+
+
+VALID = textwrap.dedent("""\
+    model: {checkpoint: CKPT}
+    data: {train: TRAIN, seq_length: 16}
+    lora: {r: 4, target_modules: [q_proj, v_proj]}
+    trainer: {max_steps: 2}
+    """)
+
+
+@pytest.fixture
+def real_recipe(tmp_path):
+    import numpy as np
+    np.save(tmp_path / "train.npy", np.zeros((4, 16), np.int32))
+    path = tmp_path / "real.yaml"
+    path.write_text(VALID.replace("CKPT", fixture_path("qwen2_tiny", "base")).replace("TRAIN", str(tmp_path / "train.npy")))
+    return str(path)
+
+
+def test_validate_builds_a_real_checkpoint_recipe(real_recipe):
+    assert "ok" in validate_recipe(real_recipe)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["data.train=null"], r"real\.yaml: data\.train is required"),
+    (["model.checkpoint=/no/such/folder"], r"real\.yaml: model\.checkpoint: /no/such/folder is not an HF folder"),
+    (["data.train=/no/such.npy"], r"real\.yaml: data\.train: /no/such\.npy not found"),
+    (["parallel.tensor_parallel=3", "parallel.data_parallel=1"],
+     r"real\.yaml: parallel: tensor_parallel=3 must divide num_attention_heads=4"),
+    (["parallel.pipeline_parallel=2", "parallel.pipeline_micro_batches=2"], r"real\.yaml: parallel: tie_word_embeddings"),
+    (["lora.target_modules=[qq_proj]"], r"real\.yaml: lora\.target_modules: .*matches no module"),
+    (["trainer.max_steps=two"], r"real\.yaml \(override\): trainer\.max_steps must be int"),
+])
+def test_validate_errors_name_file_and_key(real_recipe, overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        validate_recipe(real_recipe, overrides)
+
+
+def test_validate_cli_prints_one_line_errors(real_recipe):
+    r = subprocess.run([sys.executable, "-m", "mindqwen", "validate", real_recipe, "lora.target_modules=[qq_proj]"],
+                       capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "lora.target_modules" in r.stderr

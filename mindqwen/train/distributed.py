@@ -95,6 +95,21 @@ def check_layout(parallel: ParallelConfig, devices: int) -> None:
                          f"{parallel.devices}, but {devices} device{'s' if devices > 1 else ''} are used")
 
 
+def check_model_layout(config, parallel: ParallelConfig, lora_rank: int = 0) -> None:
+    """The tensor/pipeline degrees must fit the model's shape (raises ValueError naming the field)."""
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(config, name) % tp:
+            raise ValueError(f"tensor_parallel={tp} must divide {name}={getattr(config, name)}")
+    if lora_rank % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {lora_rank}")
+    if pp > config.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel={pp} exceeds num_hidden_layers={config.num_hidden_layers}")
+    if config.tie_word_embeddings and pp > 1:
+        raise ValueError("tie_word_embeddings shares one matrix between the first and the last pipeline "
+                         "stage; use pipeline_parallel=1 for this model (tensor or data parallel instead)")
+
+
 def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> None:
     """Megatron's tensor-parallel layout as shard strategies (2-D matmul operands: x (T, in), W (out, in)).
 
@@ -107,10 +122,7 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> Non
     """
     from mindqwen.lora import LoRALayer
     dp, tp = data_parallel, tensor_parallel
-    cfg = model.config
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if getattr(cfg, name) % tp:
-            raise ValueError(f"tensor_parallel={tp} must divide {name}={getattr(cfg, name)}")
+    check_model_layout(model.config, ParallelConfig(dp, tp))
     column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -129,11 +141,7 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> Non
 def assign_pipeline_stages(model: nn.Cell, stages: int) -> None:
     """Contiguous blocks of decoder layers per stage; embeddings on the first, norm and head on the last."""
     layers = model.model.layers
-    if len(layers) < stages:
-        raise ValueError(f"pipeline_parallel={stages} exceeds num_hidden_layers={len(layers)}")
-    if model.tied and stages > 1:
-        raise ValueError("tie_word_embeddings shares one matrix between the first and the last pipeline "
-                         "stage; use pipeline_parallel=1 for this model (tensor or data parallel instead)")
+    check_model_layout(model.config, ParallelConfig(pipeline_parallel=stages, pipeline_micro_batches=stages))
     model.model.embed_tokens.pipeline_stage = 0
     for i, layer in enumerate(layers):
         layer.pipeline_stage = i * stages // len(layers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -43,16 +44,63 @@ class ModelSection:
 
 
 @dataclass
+class SyntheticSection:
+    """The demo's self-made data (``mindqwen.data.synthetic``), written to ``<output_dir>/data``
+    with a SentencePiece tokenizer trained on it.
+
+    Attributes:
+        seed: data seed.
+        pretrain_lines, train_examples, eval_examples: sizes of the three splits.
+        alphabet: how many letters (from a) the task uses.
+        vocab_size: tokenizer vocabulary (the model's ``vocab_size`` follows it).
+    """
+
+    seed: int = 0
+    pretrain_lines: int = 6000
+    train_examples: int = 1200
+    eval_examples: int = 120
+    alphabet: int = 26
+    vocab_size: int = 150
+
+
+@dataclass
 class DataSection:
     """Attributes:
-        train: training tokens: a ``.npy`` int array [examples, seq_len].
-        eval: validation tokens, same format (optional).
-        seq_length: tokens per example (checked against the files).
+        train: training data: a ``.npy`` int array [examples, seq_length] of token ids, or a
+            ``.jsonl`` file of ``{"prompt", "response"}`` records (loss on the response only).
+        eval: validation data, same formats; ``.jsonl`` also gives exact-match accuracy.
+        pretrain: plain text (``.txt``, one document per line) for the ``pretrain`` stage.
+        tokenizer: SentencePiece ``.model`` (needed for ``.jsonl`` and ``.txt`` data).
+        seq_length: tokens per example.
+        synthetic: make the demo data instead of reading files.
     """
 
     train: Optional[str] = None
     eval: Optional[str] = None
+    pretrain: Optional[str] = None
+    tokenizer: Optional[str] = None
     seq_length: int = 256
+    synthetic: Optional[SyntheticSection] = None
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 2:
+            raise ValueError(f"data.seq_length must be >= 2, got {self.seq_length}")
+
+
+@dataclass
+class PretrainSection:
+    """A full-parameter training stage run before the main one (the demo pre-trains its model
+    from scratch). Unlisted trainer settings (precision, seed, mode, …) come from ``trainer``.
+
+    Attributes:
+        max_steps, micro_batch_size, lr, warmup_steps, schedule: as in ``trainer``.
+    """
+
+    max_steps: int = 1000
+    micro_batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    schedule: str = "cosine"
 
 
 @dataclass
@@ -79,6 +127,7 @@ class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     lora: Optional[LoraConfig] = None
+    pretrain: Optional[PretrainSection] = None
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportSection = field(default_factory=ExportSection)
@@ -164,7 +213,8 @@ def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
         raise RecipeError(f"{path}: {prefix.rstrip('.') or 'recipe'}: {e}") from None
 
 
-_SECTIONS = (ModelSection, DataSection, ParallelConfig, ExportSection, LoraConfig, TrainerConfig, PrecisionConfig)
+_SECTIONS = (ModelSection, DataSection, SyntheticSection, PretrainSection, ParallelConfig, ExportSection,
+             LoraConfig, TrainerConfig, PrecisionConfig)
 
 
 def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
@@ -209,6 +259,25 @@ def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
 
 def _name(hint) -> str:
     return getattr(hint, "__name__", str(hint)).replace("typing.", "")
+
+
+def recipes_folder() -> str:
+    """The bundled ``recipes/``: next to the package in a checkout or editable install, else
+    where ``setup.py`` installs them (``<prefix>/share/mindqwen/recipes``)."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+    return here if os.path.isdir(here) else os.path.join(sys.prefix, "share", "mindqwen", "recipes")
+
+
+def bundled_recipes() -> Dict[str, str]:
+    """name (path under recipes/ without .yaml) → file, sorted."""
+    root = recipes_folder()
+    found = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".yaml"):
+                path = os.path.join(folder, name)
+                found[os.path.relpath(path, root)[:-len(".yaml")]] = path
+    return dict(sorted(found.items()))
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

@@ -1,0 +1,159 @@
+"""Memory per device for a recipe: weights, gradients, optimizer states, activations.
+
+The model is the usual decomposition (ZeRO paper for states, Korthikanti et al. 2022 for
+activations), written for mindqwen's own graph: what each layer keeps for the backward pass.
+Per device under data (dp) × tensor (tp) × pipeline (pp) parallel, the worst pipeline stage:
+
+    weights      params/(tp·pp) × bytes(param dtype)        embeddings on the first, head on the last stage
+    gradients    trainable/(tp·pp) × bytes(param dtype)     LoRA adapters are fp32
+    optimizer    2 × trainable/(tp·pp) × bytes(param dtype)  AdamW m, v (in the parameters' dtype)
+    accumulate   trainable/(tp·pp) × bytes(param dtype)     only with gradient_accumulation > 1
+    activations  layers/pp × per-layer(tokens) / tp          or, with recompute, one layer's input per
+                                                              layer plus one full layer
+    logits       tokens × vocab/tp × (2|4 + 4 + 4)          logits, fp32 copy, gradient (last stage)
+    runtime      the framework's own memory (measured once per device kind)
+
+A device fits when the total is ≤ 90% of its memory (the seeds' headroom rule).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from mindqwen.config import QwenConfig
+
+GB = 1024 ** 3
+HEADROOM = 0.9
+# device → (memory GB, runtime overhead GB). Ascend: HCCL buffers and the operator workspace;
+# CPU: MindSpore's resident runtime and compiled graph, measured on this machine kind
+# (benchmarks/estimate_check.py).
+DEVICES: Dict[str, Tuple[float, float]] = {"910B": (64.0, 3.0), "910A": (32.0, 3.0), "310P": (24.0, 2.0)}
+CPU_RUNTIME_GB = 0.55
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# logits (low precision under O2/O3, else fp32) + their fp32 copy for the loss + its gradient
+LOGIT_BYTES = {False: 4 + 4 + 4, True: 2 + 4 + 4}
+
+
+@dataclass
+class Estimate:
+    parts: Dict[str, float]  # name → bytes
+    device: str
+    capacity: float  # bytes
+    notes: List[str]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= HEADROOM * self.capacity
+
+
+def parameter_counts(config: QwenConfig) -> Tuple[int, int, int]:
+    """(per decoder layer, embedding, separate LM head) parameter counts."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if config.qkv_bias else 0) + (2 * d if config.qk_norm else 0)
+    layer = attn + 3 * h * i + 2 * h
+    embed = config.vocab_size * h
+    return layer, embed, 0 if config.tie_word_embeddings else embed
+
+
+def lora_counts(config: QwenConfig, lora) -> int:
+    """Adapter parameters per decoder layer."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return sum(lora.r * (a + b) for name, (a, b) in shapes.items() if lora.matches(f"model.layers.0.x.{name}"))
+
+
+def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_precision: bool,
+                               flash: bool) -> float:
+    """What one decoder layer keeps for backward, for ``tokens`` = micro_batch × seq."""
+    h, i, n = config.hidden_size, config.intermediate_size, config.num_attention_heads
+    act = 2 if low_precision else 4
+    hidden = tokens * (12 * h + 4 * i) * act  # norms (fp32 copies), q/k/v, rotary, attention out, MLP
+    # fp32 scores and probabilities; flash attention (Ascend) keeps only per-row softmax statistics
+    scores = tokens * n * 4 * 2 if flash else tokens * n * seq * 4 * 2
+    return hidden + scores
+
+
+def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq: int, device: str) -> Estimate:
+    """The memory of the worst device; ``device`` is 910B | 910A | 310P | CPU | a size in GB."""
+    capacity, runtime, label = _device(device)
+    flash = not label.startswith("CPU")  # mindqwen uses flash attention on Ascend
+    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    layer, embed, head = parameter_counts(config)
+    stage_layers = math.ceil(config.num_hidden_layers / pp)
+    first = stage_layers * layer + embed + (0 if pp > 1 else head)
+    last = stage_layers * layer + head + (embed if config.tie_word_embeddings and pp == 1 else 0)
+    params = max(first, last) / tp
+    level = trainer.precision.level
+    weight_bytes = BYTES[trainer.precision.dtype] if level == "O3" else BYTES[model_dtype]
+    if lora is not None:
+        trainable, state_bytes = stage_layers * lora_counts(config, lora) / tp, 4
+    else:
+        trainable, state_bytes = params, weight_bytes
+    # A pipeline splits the micro-batch into pipeline_micro_batches; a stage holds up to pp in flight.
+    micro = parallel.pipeline_micro_batches if pp > 1 else 1
+    tokens = trainer.micro_batch_size * seq // micro
+    in_flight = tokens * min(pp, micro)
+    per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash) / tp
+    if trainer.recompute == "full":
+        kept = stage_layers * in_flight * config.hidden_size * 4 / tp + per_layer
+    else:
+        kept = stage_layers * per_layer
+    parts = {"weights": params * weight_bytes, "gradients": trainable * state_bytes,
+             "optimizer": 2 * trainable * state_bytes, "activations": kept,
+             "logits": tokens * config.vocab_size / tp * LOGIT_BYTES[level in ("O2", "O3")], "runtime": runtime}
+    if trainer.gradient_accumulation > 1:
+        parts["accumulators"] = trainable * state_bytes
+    notes = [] if lora is not None or trainer.recompute == "full" else ["trainer.recompute=full"]
+    return Estimate(parts, label, capacity, notes)
+
+
+def _device(device: str) -> Tuple[float, float, str]:
+    """(capacity bytes, runtime bytes, label)."""
+    if device.upper() == "CPU":
+        with open("/proc/meminfo") as f:
+            total_kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+        return total_kb * 1024, CPU_RUNTIME_GB * GB, f"CPU ({total_kb / 1024 ** 2:.0f} GB)"
+    if device.upper() in DEVICES:
+        memory, runtime = DEVICES[device.upper()]
+        return memory * GB, runtime * GB, f"Ascend {device.upper()} ({memory:.0f} GB)"
+    try:
+        memory = float(device)
+    except ValueError:
+        raise ValueError(f"--device must be 910B, 910A, 310P, CPU or a size in GB, got {device!r}") from None
+    return memory * GB, DEVICES["910B"][1] * GB, f"{memory:g} GB device"
+
+
+def estimate_recipe(recipe, device: str) -> Estimate:
+    from mindqwen.train.validate import model_config
+    config = model_config_for_estimate(recipe, model_config)
+    return estimate(config, recipe.lora, recipe.trainer, recipe.parallel, recipe.model.dtype,
+                    recipe.data.seq_length, device)
+
+
+def model_config_for_estimate(recipe, model_config) -> QwenConfig:
+    """The checkpoint's config when it is there, else the preset's (no weights are read)."""
+    m = recipe.model
+    if m.checkpoint and not os.path.isfile(os.path.join(m.checkpoint, "config.json")) and m.preset:
+        return QwenConfig.from_preset(m.preset, **m.config)
+    return model_config(recipe, "recipe")
+
+
+def format_estimate(e: Estimate) -> str:
+    lines = [f"memory per device on {e.device}:"]
+    lines += [f"  {name:12s} {value / GB:8.2f} GB" for name, value in e.parts.items()]
+    lines.append(f"  {'total':12s} {e.total / GB:8.2f} GB of {HEADROOM:.0%} × {e.capacity / GB:.0f} GB = "
+                 f"{HEADROOM * e.capacity / GB:.1f} GB usable: {'fits' if e.fits else 'does NOT fit'}")
+    if not e.fits:
+        lines.append("  to fit: trainer.micro_batch_size smaller (activations, logits scale with it; raise "
+                     "gradient_accumulation to keep the batch), " + ", ".join(
+                         e.notes + ["LoRA instead of full fine-tuning", "more tensor_parallel / pipeline_parallel"]))
+    return "\n".join(lines)

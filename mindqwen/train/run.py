@@ -1,0 +1,128 @@
+"""A recipe, run end to end: data → model → (pre-train) → eval → LoRA → fit → eval → export.
+
+``mindqwen train <recipe>`` calls :func:`train_recipe`. Every stage writes into
+``trainer.output_dir``; ``summary.json`` there lists the figures and where the outputs are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional, Tuple
+
+import mindspore as ms
+import numpy as np
+
+from mindqwen.config import QwenConfig
+from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs, write_pairs
+from mindqwen.data.loader import TokenDataset
+from mindqwen.data.synthetic import make_demo_data
+from mindqwen.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from mindqwen.evaluate import exact_match
+from mindqwen.export import export_mindir
+from mindqwen.io.hf import from_pretrained
+from mindqwen.lora import apply_lora
+from mindqwen.models.qwen import QwenForCausalLM
+from mindqwen.train.loop import fit
+from mindqwen.train.recipe import DataSection, ModelSection, Recipe
+
+SAMPLES = 4  # generated answers printed and kept in the summary
+
+
+def materialise_synthetic(data: DataSection, folder: str) -> DataSection:
+    """Write the demo data and its tokenizer into ``folder``; returns the section pointing at them."""
+    s = data.synthetic
+    demo = make_demo_data(s.seed, s.pretrain_lines, s.train_examples, s.eval_examples, s.alphabet)
+    os.makedirs(folder, exist_ok=True)
+    paths = {name: os.path.join(folder, name) for name in ("pretrain.txt", "train.jsonl", "eval.jsonl")}
+    with open(paths["pretrain.txt"], "w", encoding="utf-8") as f:
+        f.write("\n".join(demo.pretrain) + "\n")
+    write_pairs(demo.train, paths["train.jsonl"])
+    write_pairs(demo.eval, paths["eval.jsonl"])
+    tokenizer = os.path.join(folder, "tokenizer.model")
+    train_sentencepiece(demo.pretrain + [p + r for p, r in demo.train], tokenizer, s.vocab_size)
+    return dataclasses.replace(data, train=paths["train.jsonl"], eval=paths["eval.jsonl"],
+                               pretrain=paths["pretrain.txt"], tokenizer=tokenizer, synthetic=None)
+
+
+def load_split(path: Optional[str], tokenizer, seq_length: int) -> Tuple[Optional[TokenDataset], list]:
+    """(token rows, prompt/response pairs) of one split; pairs only for ``.jsonl``."""
+    if path is None:
+        return None, []
+    if path.endswith((".npy", ".npz")):  # token rows; .npz (mindqwen preprocess) also has labels
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: data file not found")
+        arrays = np.load(path)
+        ids, labels = (arrays, None) if path.endswith(".npy") else (arrays["input_ids"], arrays["labels"])
+        if ids.ndim != 2 or ids.shape[1] != seq_length:
+            raise ValueError(f"{path}: expected token rows [examples, {seq_length}], got shape {ids.shape}")
+        return TokenDataset(ids, labels), []
+    if path.endswith(".jsonl"):
+        if tokenizer is None:
+            raise ValueError(f"{path}: prompt/response data needs data.tokenizer")
+        pairs = read_pairs(path)
+        return encode_pairs(pairs, tokenizer, seq_length), pairs
+    raise ValueError(f"{path}: data files are .npy / .npz (token rows) or .jsonl (prompt/response pairs)")
+
+
+def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
+    """From an HF checkpoint, or random weights of a preset / explicit config (``config`` overrides)."""
+    if section.checkpoint:
+        return from_pretrained(section.checkpoint, section.dtype)
+    overrides = dict(section.config)
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
+    config = QwenConfig.from_preset(section.preset, **overrides) if section.preset else QwenConfig(**overrides)
+    return QwenForCausalLM(config, getattr(ms, section.dtype))
+
+
+def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
+    """Run ``recipe``; returns (and writes as ``summary.json``) its figures and output paths."""
+    out = recipe.trainer.output_dir
+    data = recipe.data
+    if data.synthetic is not None:
+        data = materialise_synthetic(data, os.path.join(out, "data"))
+    tokenizer = SentencePieceTokenizer(data.tokenizer) if data.tokenizer else None
+    train_set, _ = load_split(data.train, tokenizer, data.seq_length)
+    eval_set, eval_pairs = load_split(data.eval, tokenizer, data.seq_length)
+    ms.set_seed(recipe.trainer.seed)
+    model = build_model(recipe.model, tokenizer.vocab_size if tokenizer else None)
+    summary = {"output_dir": out}
+
+    if recipe.pretrain is not None:
+        with open(data.pretrain, encoding="utf-8") as f:
+            corpus = pack_text(f.read().splitlines(), tokenizer, data.seq_length)
+        p = recipe.pretrain
+        stage = dataclasses.replace(recipe.trainer, max_steps=p.max_steps, micro_batch_size=p.micro_batch_size,
+                                    lr=p.lr, warmup_steps=p.warmup_steps, schedule=p.schedule,
+                                    gradient_accumulation=1, resume=None, output_dir=os.path.join(out, "pretrain"))
+        print(f"pre-training from scratch: {p.max_steps} steps on {len(corpus)} rows of {data.seq_length} tokens")
+        summary["pretrain"] = fit(model, corpus, stage, parallel=recipe.parallel)
+
+    max_new = 1 + max((len(tokenizer.encode(r)) for _, r in eval_pairs), default=0)
+    if eval_pairs:
+        ms.set_context(mode=ms.PYNATIVE_MODE)  # one graph per generated length would cost more
+        summary["exact_match_before"], _ = exact_match(model, tokenizer, eval_pairs, max_new)
+        print(f"held-out exact match before fine-tuning: {summary['exact_match_before']:.1%} "
+              f"({len(eval_pairs)} questions)")
+    if recipe.lora is not None:
+        model = apply_lora(model, recipe.lora)
+    summary["train"] = fit(model, train_set, recipe.trainer, eval_set, recipe_text, recipe.parallel)
+
+    if eval_pairs:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        summary["exact_match_after"], answers = exact_match(model, tokenizer, eval_pairs, max_new)
+        print(f"held-out exact match after fine-tuning:  {summary['exact_match_after']:.1%}")
+        summary["samples"] = [{"prompt": p, "answer": a, "reference": r}
+                              for (p, r), a in zip(eval_pairs[:SAMPLES], answers)]
+        for s in summary["samples"]:
+            print(f"  {s['prompt']}{s['answer']}   (reference:{s['reference']})")
+    if recipe.export.enabled:
+        path = os.path.join(out, "export", "prefill.mindir")
+        e = recipe.export
+        diff = export_mindir(model, path, e.batch_sizes[0], min(e.max_seq_len, data.seq_length))
+        summary["export"] = {"mindir": path, "max_abs_diff_vs_eager": diff}
+        print(f"exported {path} (exported graph vs eager: max |Δlogit| = {diff:.1e})")
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, ensure_ascii=False, default=str)
+    return summary

@@ -1,0 +1,55 @@
+"""`mindqwen estimate`: parameter counts against published model sizes, the memory total against
+peak memory measured on CPU, and the fit verdicts of bundled recipes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mindqwen import QwenConfig
+from mindqwen.estimate import GB, parameter_counts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Parameter totals of the published checkpoints (safetensors metadata total_size / 2 bytes).
+PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_parameter_count_equals_published(preset):
+    config = QwenConfig.from_preset(preset)
+    layer, embed, head = parameter_counts(config)
+    total = config.num_hidden_layers * layer + embed + head + config.hidden_size  # + final norm
+    assert total == PUBLISHED[preset]
+
+
+def test_estimate_is_within_25_percent_of_measured_cpu_peak():
+    """bench-small LoRA, 4 layers, batch 4 × 256, trained in a fresh process (VmHWM)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "estimate_check.py"), "--quick"],
+                       capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"}, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for line in r.stdout.strip().splitlines():
+        row = json.loads(line)
+        print(row)
+        assert 0.75 <= row["ratio"] <= 1.25, row
+
+
+def _estimate(recipe, device, *overrides):
+    r = subprocess.run([sys.executable, "-m", "mindqwen", "estimate", os.path.join(ROOT, "recipes", recipe),
+                        "--device", device, *overrides], capture_output=True, text=True,
+                       env={**os.environ, "GLOG_v": "3"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_bundled_recipes_fit_where_they_say():
+    assert ": fits" in _estimate("qwen2_5/0.5b_lora.yaml", "910B")
+    assert ": fits" in _estimate("qwen2_5/7b_lora.yaml", "910B")
+    assert ": fits" in _estimate("qwen2_5/7b_full_8card_tp2_pp4.yaml", "910B")
+    assert ": fits" in _estimate("qwen2_5/72b_lora_8card.yaml", "910B")
+    # 7B full fine-tune on one card: bf16 weights, gradients and AdamW moments are 8 bytes a parameter
+    out = _estimate("qwen2_5/7b_lora.yaml", "910B", "lora=null", "trainer.micro_batch_size=1")
+    assert "does NOT fit" in out and "to fit:" in out
+    optimizer = float(out.split("optimizer")[1].split("GB")[0])
+    assert abs(optimizer - 2 * 7_615_616_512 * 2 / GB) < 0.01
