@@ -13,6 +13,8 @@ Per device under data (dp) × tensor (tp) × pipeline (pp) parallel, the worst p
     logits       tokens × vocab/tp × (2|4 + 4 + 4)          logits, fp32 copy, gradient (last stage)
     runtime      the framework's own memory (measured once per device kind)
 
+On CPU the activation term is scaled by a measured factor (see ``CPU_ACTIVATION_FACTOR``).
+
 A device fits when the total is ≤ 90% of its memory (the seeds' headroom rule).
 """
 from __future__ import annotations
@@ -30,7 +32,13 @@ HEADROOM = 0.9
 # CPU: MindSpore's resident runtime and compiled graph, measured on this machine kind
 # (benchmarks/estimate_check.py).
 DEVICES: Dict[str, Tuple[float, float]] = {"910B": (64.0, 3.0), "910A": (32.0, 3.0), "310P": (24.0, 2.0)}
-CPU_RUNTIME_GB = 0.55
+# MindSpore's CPU backend keeps every intermediate of the compiled step alive (no buffer reuse
+# across the backward pass), ~5.3× what the layer saves for backward, and recompute does not
+# lower it (docs/performance.md). Both CPU figures are a least-squares fit to six measured
+# bench-small configurations (benchmarks/estimate_check.py, within ±6%); the test checks a
+# configuration outside the fit.
+CPU_RUNTIME_GB = 0.70
+CPU_ACTIVATION_FACTOR = 5.3
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # logits (low precision under O2/O3, else fp32) + their fp32 copy for the loss + its gradient
 LOGIT_BYTES = {False: 4 + 4 + 4, True: 2 + 4 + 4}
@@ -85,7 +93,8 @@ def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_pr
 def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq: int, device: str) -> Estimate:
     """The memory of the worst device; ``device`` is 910B | 910A | 310P | CPU | a size in GB."""
     capacity, runtime, label = _device(device)
-    flash = not label.startswith("CPU")  # mindqwen uses flash attention on Ascend
+    cpu = label.startswith("CPU")
+    flash = not cpu  # mindqwen uses flash attention on Ascend
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
     layer, embed, head = parameter_counts(config)
     stage_layers = math.ceil(config.num_hidden_layers / pp)
@@ -103,7 +112,9 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     tokens = trainer.micro_batch_size * seq // micro
     in_flight = tokens * min(pp, micro)
     per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash) / tp
-    if trainer.recompute == "full":
+    if cpu:
+        kept = CPU_ACTIVATION_FACTOR * stage_layers * per_layer
+    elif trainer.recompute == "full":
         kept = stage_layers * in_flight * config.hidden_size * 4 / tp + per_layer
     else:
         kept = stage_layers * per_layer
@@ -112,7 +123,7 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
              "logits": tokens * config.vocab_size / tp * LOGIT_BYTES[level in ("O2", "O3")], "runtime": runtime}
     if trainer.gradient_accumulation > 1:
         parts["accumulators"] = trainable * state_bytes
-    notes = [] if lora is not None or trainer.recompute == "full" else ["trainer.recompute=full"]
+    notes = [] if trainer.recompute == "full" or cpu else ["trainer.recompute=full"]
     return Estimate(parts, label, capacity, notes)
 
 

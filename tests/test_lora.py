@@ -334,3 +334,16 @@ def test_saved_adapter_loads_in_peft(tmp_path):
     with torch.no_grad():
         logits = hf(torch.tensor(reference("qwen3_tiny")["input_ids"])).logits.numpy()
     assert np.abs(logits - reference("qwen3_tiny")["logits_lora"]).max() <= LOGITS_TOL
+
+
+def test_adapter_stays_fp32_over_a_fp16_base():
+    """As PEFT's autocast_adapter_dtype: a fp16/bf16 base keeps fp32 adapters (AdamW steps of
+    ~1e-4·|w| would round away in a low-precision adapter); the forward still matches PEFT."""
+    ref = reference("qwen2_tiny")
+    model = load_adapter(from_pretrained(fixture_path("qwen2_tiny", "base"), "float16"),
+                         fixture_path("qwen2_tiny", "lora_adapter"))
+    layer = lora_layers(model)["model.layers.0.self_attn.q_proj"]
+    assert layer.weight.dtype == ms.float16 and layer.lora_a.dtype == ms.float32 and layer.lora_b.dtype == ms.float32
+    logits = model(ms.Tensor(ref["input_ids"].astype(np.int32))).asnumpy().astype(np.float32)
+    scale = np.abs(ref["logits_lora"]).max()
+    assert np.abs(logits - ref["logits_lora"]).max() < 5e-3 * scale  # fp16 rounding of an fp32 reference

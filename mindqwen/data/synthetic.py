@@ -1,10 +1,10 @@
 """The demo's own data: upper-casing letters, asked in English and in Chinese.
 
-Pre-training text states the skill in a bare form (``upper k q z = K Q Z``); the instruction task
+Pre-training states the skill in a bare form (``upper k q z =`` → `` K Q Z``); the instruction task
 asks for it in a question/answer format the pre-trained model has never seen
 (``Q: Upper-case the letters k q z. A:`` / ``问：把字母 k q z 变成大写。答：``). Before LoRA the
 model does not answer in that format; after LoRA it does. Held-out questions use letter strings
-drawn independently of the training ones, so they test the skill, not memory.
+that no training question uses, so they test the skill, not memory.
 """
 from __future__ import annotations
 
@@ -19,16 +19,14 @@ Pair = Tuple[str, str]
 TASKS: Dict[str, Tuple[str, str, str, Callable[[str], str]]] = {
     "upper": ("upper", "Upper-case the letters", "变成大写", str.upper),
 }
-# Half the pre-training lines state single-digit sums ("3 + 5 = 8"). They are not asked about
-# later; they shape the position-wise attention that copying needs. Measured: without them the
-# tiny model's loss stayed at the unigram level for 1,600 steps (tasks copy, upper, lower in any
-# mix); with them upper-casing is learnt in ~1,000 steps.
-ARITHMETIC_SHARE = 0.5
+# Pre-training puts the loss on the answers only. With packed text instead (loss on the random
+# input letters too) the tiny model's copy circuit did not form within 1,600 steps (it stayed at
+# the unigram loss); with answer-only loss it forms in ~400 steps.
 
 
 @dataclass
 class DemoData:
-    pretrain: List[str]  # plain text lines
+    pretrain: List[Pair]  # bare form: ("upper k q z =", " K Q Z")
     train: List[Pair]  # (prompt, response)
     eval: List[Pair]
 
@@ -46,20 +44,23 @@ def _question(task: str, letters: str, chinese: bool) -> Pair:
     return prompt, " " + answer(letters)
 
 
-def make_demo_data(seed: int = 0, pretrain_lines: int = 6000, train_examples: int = 1200,
+def make_demo_data(seed: int = 0, pretrain_examples: int = 6000, train_examples: int = 1200,
                    eval_examples: int = 120, alphabet: int = 26) -> DemoData:
     """Deterministic in ``seed``; half the questions are in Chinese; letters are the first
     ``alphabet`` of a–z."""
     rng = random.Random(seed)
     pretrain = []
-    for _ in range(pretrain_lines):
-        if rng.random() < ARITHMETIC_SHARE:
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            pretrain.append(f"{a} + {b} = {a + b}")
-            continue
+    for _ in range(pretrain_examples):
         name, _, _, answer = TASKS[rng.choice(list(TASKS))]
         letters = _letters(rng, alphabet)
-        pretrain.append(f"{name} {letters} = {answer(letters)}")
-    questions = [_question(rng.choice(list(TASKS)), _letters(rng, alphabet), rng.random() < 0.5)
-                 for _ in range(train_examples + eval_examples)]
-    return DemoData(pretrain, questions[:train_examples], questions[train_examples:])
+        pretrain.append((f"{name} {letters} =", " " + answer(letters)))
+    train_letters = [_letters(rng, alphabet) for _ in range(train_examples)]
+    seen, eval_letters = set(train_letters), []
+    while len(eval_letters) < eval_examples:  # held out: no letter string of the training questions
+        letters = _letters(rng, alphabet)
+        if letters not in seen:
+            eval_letters.append(letters)
+            seen.add(letters)
+    train, held_out = ([_question(rng.choice(list(TASKS)), letters, rng.random() < 0.5) for letters in split]
+                       for split in (train_letters, eval_letters))
+    return DemoData(pretrain, train, held_out)

@@ -20,6 +20,7 @@ import yaml
 from mindqwen.lora import LoraConfig
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.distributed import ParallelConfig
+from mindqwen.train.optim import SCHEDULES
 from mindqwen.train.precision import PrecisionConfig
 
 
@@ -50,13 +51,13 @@ class SyntheticSection:
 
     Attributes:
         seed: data seed.
-        pretrain_lines, train_examples, eval_examples: sizes of the three splits.
+        pretrain_examples, train_examples, eval_examples: sizes of the three splits.
         alphabet: how many letters (from a) the task uses.
         vocab_size: tokenizer vocabulary (the model's ``vocab_size`` follows it).
     """
 
     seed: int = 0
-    pretrain_lines: int = 6000
+    pretrain_examples: int = 6000
     train_examples: int = 1200
     eval_examples: int = 120
     alphabet: int = 26
@@ -69,7 +70,8 @@ class DataSection:
         train: training data: a ``.npy`` int array [examples, seq_length] of token ids, or a
             ``.jsonl`` file of ``{"prompt", "response"}`` records (loss on the response only).
         eval: validation data, same formats; ``.jsonl`` also gives exact-match accuracy.
-        pretrain: plain text (``.txt``, one document per line) for the ``pretrain`` stage.
+        pretrain: data for the ``pretrain`` stage: plain text (``.txt``, one document per line,
+            packed) or ``.jsonl`` prompt/response pairs (loss on the responses).
         tokenizer: SentencePiece ``.model`` (needed for ``.jsonl`` and ``.txt`` data).
         seq_length: tokens per example.
         synthetic: make the demo data instead of reading files.
@@ -101,6 +103,14 @@ class PretrainSection:
     lr: float = 1e-3
     warmup_steps: int = 50
     schedule: str = "cosine"
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.micro_batch_size < 1 or self.lr <= 0:
+            raise ValueError("pretrain: max_steps and micro_batch_size must be >= 1 and lr > 0")
+        if not 0 <= self.warmup_steps <= self.max_steps:
+            raise ValueError(f"pretrain.warmup_steps={self.warmup_steps} must be in [0, max_steps={self.max_steps}]")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pretrain.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
 
 
 @dataclass

@@ -32,17 +32,15 @@ SAMPLES = 4  # generated answers printed and kept in the summary
 def materialise_synthetic(data: DataSection, folder: str) -> DataSection:
     """Write the demo data and its tokenizer into ``folder``; returns the section pointing at them."""
     s = data.synthetic
-    demo = make_demo_data(s.seed, s.pretrain_lines, s.train_examples, s.eval_examples, s.alphabet)
+    demo = make_demo_data(s.seed, s.pretrain_examples, s.train_examples, s.eval_examples, s.alphabet)
     os.makedirs(folder, exist_ok=True)
-    paths = {name: os.path.join(folder, name) for name in ("pretrain.txt", "train.jsonl", "eval.jsonl")}
-    with open(paths["pretrain.txt"], "w", encoding="utf-8") as f:
-        f.write("\n".join(demo.pretrain) + "\n")
-    write_pairs(demo.train, paths["train.jsonl"])
-    write_pairs(demo.eval, paths["eval.jsonl"])
+    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("pretrain", "train", "eval")}
+    for name, pairs in (("pretrain", demo.pretrain), ("train", demo.train), ("eval", demo.eval)):
+        write_pairs(pairs, paths[name])
     tokenizer = os.path.join(folder, "tokenizer.model")
-    train_sentencepiece(demo.pretrain + [p + r for p, r in demo.train], tokenizer, s.vocab_size)
-    return dataclasses.replace(data, train=paths["train.jsonl"], eval=paths["eval.jsonl"],
-                               pretrain=paths["pretrain.txt"], tokenizer=tokenizer, synthetic=None)
+    train_sentencepiece([p + r for p, r in demo.pretrain + demo.train], tokenizer, s.vocab_size)
+    return dataclasses.replace(data, train=paths["train"], eval=paths["eval"], pretrain=paths["pretrain"],
+                               tokenizer=tokenizer, synthetic=None)
 
 
 def load_split(path: Optional[str], tokenizer, seq_length: int) -> Tuple[Optional[TokenDataset], list]:
@@ -63,6 +61,14 @@ def load_split(path: Optional[str], tokenizer, seq_length: int) -> Tuple[Optiona
         pairs = read_pairs(path)
         return encode_pairs(pairs, tokenizer, seq_length), pairs
     raise ValueError(f"{path}: data files are .npy / .npz (token rows) or .jsonl (prompt/response pairs)")
+
+
+def load_pretrain(path: str, tokenizer, seq_length: int) -> TokenDataset:
+    """Pre-training rows: ``.txt`` is packed plain text; ``.jsonl`` pairs put the loss on the responses."""
+    if path.endswith(".txt"):
+        with open(path, encoding="utf-8") as f:
+            return pack_text(f.read().splitlines(), tokenizer, seq_length)
+    return load_split(path, tokenizer, seq_length)[0]
 
 
 def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
@@ -90,8 +96,7 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
     summary = {"output_dir": out}
 
     if recipe.pretrain is not None:
-        with open(data.pretrain, encoding="utf-8") as f:
-            corpus = pack_text(f.read().splitlines(), tokenizer, data.seq_length)
+        corpus = load_pretrain(data.pretrain, tokenizer, data.seq_length)
         p = recipe.pretrain
         stage = dataclasses.replace(recipe.trainer, max_steps=p.max_steps, micro_batch_size=p.micro_batch_size,
                                     lr=p.lr, warmup_steps=p.warmup_steps, schedule=p.schedule,
