@@ -36,8 +36,11 @@ def cmd_train(argv: List[str]) -> None:
     with open(args.recipe, encoding="utf-8") as f:
         text = f.read() + "".join(f"\n# override: {o}" for o in args.overrides)
     summary = train_recipe(recipe, text)
-    print(f"outputs in {summary['output_dir']}: summary.json, metrics.jsonl, loss_curve.png, "
-          + ", ".join(f"{k}={v}" for k, v in summary["train"]["outputs"].items() if v))
+    outputs = {**summary["train"]["outputs"], "mindir": summary.get("export", {}).get("mindir")}
+    if outputs.get("loss_curve") is None:
+        outputs["loss_curve"] = "none (pip install matplotlib)"
+    print(f"outputs in {summary['output_dir']}: summary.json, metrics.jsonl; "
+          + ", ".join(f"{k}: {v}" for k, v in outputs.items() if v))
 
 
 def cmd_eval(argv: List[str]) -> None:
