@@ -18,6 +18,6 @@ setup(
         "sentencepiece",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "nbclient", "nbformat", "ipykernel"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest", "nbclient", "nbformat", "ipykernel", "tokenizers"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["mindqwen = mindqwen.cli:main"]},
 )

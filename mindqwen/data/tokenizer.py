@@ -1,17 +1,167 @@
-"""Tokenizers: a SentencePiece model (trained here for the demo, or the user's own).
+"""Tokenizers: Qwen's byte-level BPE (on tiktoken's core) and SentencePiece.
+
+``QwenTokenizer`` reads an HF folder (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``, with
+``tokenizer_config.json`` for the added tokens) or Qwen-1's ``qwen.tiktoken``. HF's Qwen2
+tokenizer is NFC normalisation → split by ``QWEN2_PATTERN`` → byte-level BPE; tiktoken runs the
+same split and BPE natively (Qwen's vocabulary was born a tiktoken one, so merge order = rank).
 
 ``train_sentencepiece`` writes the model atomically (trained in a temporary folder, then moved),
 so an interrupted run never leaves a half-written ``.model`` that later loads.
 """
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import tempfile
-from typing import Iterable, List
+import unicodedata
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+
+from mindqwen.io.jsonfile import read_json
 
 # Fixed special ids so a trained tokenizer and the model config agree without bookkeeping.
 UNK_ID, EOS_ID, PAD_ID = 0, 1, 2
+
+# Qwen2 / Qwen2.5 / Qwen3 pre-tokenisation (tokenizer.json "pre_tokenizer" Split pattern).
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen-1 (qwen.tiktoken): digits one at a time as well, no NFC.
+QWEN1_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [f"<|extra_{i}|>" for i in range(205)]
+
+
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's byte → printable character map that byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class QwenTokenizer:
+    """Qwen's tokenizer: ``encode``, ``encode_batch``, ``decode`` and a streaming decoder.
+
+    Args:
+        ranks: token bytes → id (the BPE vocabulary, merge order = id order).
+        added: added-token text → id (``<|im_start|>``, ``<think>``, …); matched whole in the text.
+        eos_token: the token that ends generation / separates packed documents.
+        pad_token: fills rows (defaults to eos).
+        nfc: NFC-normalise text first (Qwen2+; Qwen-1 does not).
+    """
+
+    def __init__(self, ranks: Dict[bytes, int], added: Dict[str, int], eos_token: str,
+                 pad_token: Optional[str] = None, nfc: bool = True, name: str = "qwen"):
+        import tiktoken
+        self.encoding = tiktoken.Encoding(name, pat_str=QWEN2_PATTERN, mergeable_ranks=ranks, special_tokens=added)
+        self.added, self.nfc = added, nfc
+        self.id_to_added = {i: t for t, i in added.items()}
+        for token in (eos_token, pad_token or eos_token):
+            if token not in added:
+                raise ValueError(f"special token {token!r} is not among the added tokens")
+        self.eos_token_id = added[eos_token]
+        self.pad_token_id = added[pad_token or eos_token]
+        self.vocab_size = max(max(ranks.values()), max(added.values(), default=0)) + 1
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, folder: str) -> "QwenTokenizer":
+        """An HF tokenizer folder: tokenizer.json, or vocab.json + merges.txt (+ tokenizer_config.json)."""
+        if os.path.isfile(os.path.join(folder, "qwen.tiktoken")):
+            return cls.from_tiktoken_file(os.path.join(folder, "qwen.tiktoken"))
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        config = read_json(config_path, ValueError, "tokenizer config") if os.path.isfile(config_path) else {}
+        added = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}
+        tok_json = os.path.join(folder, "tokenizer.json")
+        if os.path.isfile(tok_json):
+            spec = read_json(tok_json, ValueError, "tokenizer.json")
+            vocab = spec.get("model", {}).get("vocab")
+            if not isinstance(vocab, dict):
+                raise ValueError(f"{tok_json}: no BPE model.vocab")
+            added.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+        else:
+            vocab = read_json(os.path.join(folder, "vocab.json"), ValueError, "vocab.json (or tokenizer.json)")
+        decoder = {c: b for b, c in bytes_to_unicode().items()}
+        try:
+            ranks = {bytes(decoder[c] for c in token): i for token, i in vocab.items() if token not in added}
+        except KeyError as e:
+            raise ValueError(f"{folder}: vocabulary token with character {e} is not byte-level BPE") from None
+        eos = config.get("eos_token") or "<|endoftext|>"
+        eos = eos["content"] if isinstance(eos, dict) else eos
+        pad = config.get("pad_token")
+        pad = pad["content"] if isinstance(pad, dict) else pad
+        return cls(ranks, added, eos, pad, nfc=True, name=os.path.basename(os.path.abspath(folder)))
+
+    @classmethod
+    def from_tiktoken_file(cls, path: str) -> "QwenTokenizer":
+        """Qwen-1's ``qwen.tiktoken`` (base64 token, rank per line)."""
+        ranks = {}
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        token, rank = line.split()
+                        ranks[base64.b64decode(token)] = int(rank)
+                    except ValueError:
+                        raise ValueError(f"{path}:{n}: expected '<base64 token> <rank>'") from None
+        added = {t: len(ranks) + i for i, t in enumerate(QWEN1_SPECIAL)}
+        return cls(ranks, added, "<|endoftext|>", nfc=False, name="qwen1")
+
+    # ------------------------------------------------------------------ use
+    def encode(self, text: str, allowed_special: Union[str, Sequence[str]] = "all") -> List[int]:
+        """Ids of ``text``. Added tokens in the text are matched whole when allowed ("all", a list
+        of them, or "none": then their text is encoded as ordinary characters)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        allowed = set(self.added) if allowed_special == "all" else set() if allowed_special == "none" else set(allowed_special)
+        return self.encoding.encode(text, allowed_special=allowed, disallowed_special=())
+
+    def encode_batch(self, texts: Sequence[str], allowed_special: Union[str, Sequence[str]] = "all",
+                     num_threads: int = 8) -> List[List[int]]:
+        if self.nfc:
+            texts = [unicodedata.normalize("NFC", t) for t in texts]
+        allowed = set(self.added) if allowed_special == "all" else set() if allowed_special == "none" else set(allowed_special)
+        return self.encoding.encode_batch(list(texts), num_threads=num_threads, allowed_special=allowed,
+                                          disallowed_special=())
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return self.encoding.decode_bytes([int(i) for i in ids])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; an incomplete UTF-8 sequence becomes U+FFFD (as HF does)."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental decoding for generation: ``push(id)`` returns the text that is complete so far,
+    holding back the bytes of a character whose UTF-8 sequence is still unfinished."""
+
+    def __init__(self, tokenizer: QwenTokenizer):
+        self.tokenizer, self.pending = tokenizer, b""
+
+    def push(self, token_id: int) -> str:
+        self.pending += self.tokenizer.decode_bytes([token_id])
+        cut = len(self.pending)
+        for back in range(1, min(4, len(self.pending)) + 1):  # an unfinished sequence is at most 3 bytes
+            byte = self.pending[-back]
+            if byte & 0xC0 == 0xC0:  # a lead byte: is its sequence complete?
+                need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4
+                cut = len(self.pending) - back if back < need else len(self.pending)
+                break
+            if byte & 0x80 == 0:
+                break
+        text, self.pending = self.pending[:cut].decode("utf-8", errors="replace"), self.pending[cut:]
+        return text
+
+    def flush(self) -> str:
+        text, self.pending = self.pending.decode("utf-8", errors="replace"), b""
+        return text
 
 
 class SentencePieceTokenizer:
