@@ -162,31 +162,26 @@ def cmd_merge(argv: List[str]) -> None:
 
 
 def cmd_preprocess(argv: List[str]) -> None:
-    """Tokenize text (.txt, packed) or prompt/response pairs (.jsonl) into fixed-length rows (.npz)."""
-    p = _parser(cmd_preprocess, "mindqwen preprocess outputs/demo/data/train.jsonl out/train.npz "
-                                "--tokenizer outputs/demo/data/tokenizer.model --seq-length 32")
-    p.add_argument("input", help=".txt (one document per line) or .jsonl ({prompt, response} records)")
-    p.add_argument("output", help=".npz with input_ids and labels")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
-    p.add_argument("--seq-length", type=int, default=256)
+    """Tokenize JSON-lines (text, or chat / instruction / prompt-response) and pack into fixed-length rows."""
+    p = _parser(cmd_preprocess, "mindqwen preprocess outputs/demo/data/train.jsonl --output out/train --kind sft "
+                                "--tokenizer outputs/demo/data/tokenizer.model --seq-length 32 --workers 2")
+    p.add_argument("inputs", nargs="+", help=".jsonl files: {\"text\"} records (--kind text) or {\"messages\"} / "
+                                             "{\"instruction\", \"input\", \"output\"} / {\"prompt\", \"response\"} (--kind sft)")
+    p.add_argument("--output", required=True, help="folder to create: input_ids.npy, labels.npy, manifest.json")
+    p.add_argument("--tokenizer", required=True, help="Qwen HF folder, qwen.tiktoken, or SentencePiece .model")
+    p.add_argument("--kind", default="text", choices=["text", "sft"])
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--template", default="qwen2.5", choices=["qwen2.5", "qwen3"], help="chat template (sft)")
+    p.add_argument("--train-on", default="assistant", choices=["assistant", "last", "all"], help="loss mask (sft)")
+    p.add_argument("--skip-bad", action="store_true", help="skip malformed records (counted) instead of stopping")
     args = p.parse_args(argv)
-    import numpy as np
-    from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs
-    from mindqwen.data.tokenizer import SentencePieceTokenizer
-    tokenizer = SentencePieceTokenizer(args.tokenizer)
-    if args.input.endswith(".jsonl"):
-        data = encode_pairs(read_pairs(args.input), tokenizer, args.seq_length)
-    elif args.input.endswith(".txt"):
-        with open(args.input, encoding="utf-8") as f:
-            data = pack_text(f.read().splitlines(), tokenizer, args.seq_length)
-    else:
-        raise ValueError(f"{args.input}: expected .txt or .jsonl")
-    if not args.output.endswith(".npz"):
-        raise ValueError(f"output {args.output!r} must end with .npz")
-    tmp = args.output[:-4] + ".tmp.npz"
-    np.savez(tmp, input_ids=data.input_ids, labels=data.labels)
-    os.replace(tmp, args.output)
-    print(f"wrote {args.output}: {len(data)} rows of {args.seq_length} tokens")
+    from mindqwen.data.preprocess import preprocess
+    s = preprocess(args.inputs, args.output, args.tokenizer, args.seq_length, args.kind, args.workers,
+                   args.template, args.train_on, args.skip_bad)
+    print(f"wrote {args.output}: {s.documents} documents, {s.tokens} tokens, {s.rows} rows of {args.seq_length}, "
+          f"padding {s.padding_fraction:.1%}, truncated {s.truncated}, skipped {s.skipped}"
+          + (f" (lines {', '.join(map(str, s.skipped_lines))})" if s.skipped else ""))
 
 
 def cmd_estimate(argv: List[str]) -> None:

@@ -81,18 +81,18 @@ def test_preprocess_rows_equal_sentencepiece_encoding(tmp_path):
     train_sentencepiece(lines, str(tmp_path / "tok.model"), 60)
     (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps({"prompt": f"Q: Repeat {a}.", "response": f" {a}"})
                                                     for a in "abcd") + "\n")
-    cli("preprocess", str(tmp_path / "pairs.jsonl"), str(tmp_path / "rows.npz"),
-        "--tokenizer", str(tmp_path / "tok.model"), "--seq-length", "12")
-    rows = np.load(tmp_path / "rows.npz")
+    r = cli("preprocess", str(tmp_path / "pairs.jsonl"), "--output", str(tmp_path / "rows"), "--kind", "sft",
+            "--tokenizer", str(tmp_path / "tok.model"), "--seq-length", "12")
+    assert "4 documents" in r.stdout
+    ids, labels = np.load(tmp_path / "rows" / "input_ids.npy"), np.load(tmp_path / "rows" / "labels.npy")
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tok.model"))
-    p, r = sp.encode("Q: Repeat a."), sp.encode(" a") + [sp.eos_id()]
-    assert rows["input_ids"][0, :len(p) + len(r)].tolist() == p + r
-    assert (rows["input_ids"][0, len(p) + len(r):] == sp.pad_id()).all()
-    assert rows["labels"][0].tolist() == [-100] * len(p) + r + [-100] * (12 - len(p) - len(r))
+    p, resp = sp.encode("Q: Repeat a."), sp.encode(" a") + [sp.eos_id()]
+    assert ids[0, :len(p) + len(resp)].tolist() == p + resp  # first conversation at the start of row 0
+    assert labels[0, :len(p) + len(resp)].tolist() == [-100] * len(p) + resp
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
-    bad = cli("preprocess", str(tmp_path / "bad.jsonl"), str(tmp_path / "b.npz"), "--tokenizer",
-              str(tmp_path / "tok.model"), check=False)
-    assert bad.returncode == 1 and "bad.jsonl:1:" in bad.stderr and not (tmp_path / "b.npz").exists()
+    bad = cli("preprocess", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "b"), "--kind", "sft",
+              "--tokenizer", str(tmp_path / "tok.model"), check=False)
+    assert bad.returncode == 1 and "bad.jsonl:1:" in bad.stderr and not (tmp_path / "b").exists()
 
 
 def test_recipes_ls_and_cp(tmp_path):

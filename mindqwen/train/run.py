@@ -47,20 +47,25 @@ def load_split(path: Optional[str], tokenizer, seq_length: int) -> Tuple[Optiona
     """(token rows, prompt/response pairs) of one split; pairs only for ``.jsonl``."""
     if path is None:
         return None, []
-    if path.endswith((".npy", ".npz")):  # token rows; .npz (mindqwen preprocess) also has labels
+    if os.path.isdir(path):  # a `mindqwen preprocess` folder (memory-mapped)
+        from mindqwen.data.preprocess import load_packed
+        data, manifest = load_packed(path)
+        if manifest.get("seq_length") != seq_length:
+            raise ValueError(f"{path}: packed to seq_length={manifest.get('seq_length')}, the recipe says {seq_length}")
+        return data, []
+    if path.endswith(".npy"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: data file not found")
-        arrays = np.load(path)
-        ids, labels = (arrays, None) if path.endswith(".npy") else (arrays["input_ids"], arrays["labels"])
+        ids = np.load(path)
         if ids.ndim != 2 or ids.shape[1] != seq_length:
             raise ValueError(f"{path}: expected token rows [examples, {seq_length}], got shape {ids.shape}")
-        return TokenDataset(ids, labels), []
+        return TokenDataset(ids), []
     if path.endswith(".jsonl"):
         if tokenizer is None:
             raise ValueError(f"{path}: prompt/response data needs data.tokenizer")
         pairs = read_pairs(path)
         return encode_pairs(pairs, tokenizer, seq_length), pairs
-    raise ValueError(f"{path}: data files are .npy / .npz (token rows) or .jsonl (prompt/response pairs)")
+    raise ValueError(f"{path}: data is a `mindqwen preprocess` folder, .npy token rows or .jsonl prompt/response pairs")
 
 
 def load_pretrain(path: str, tokenizer, seq_length: int) -> TokenDataset:

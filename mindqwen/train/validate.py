@@ -51,7 +51,7 @@ def check_files(recipe: Recipe, path: str) -> None:
             raise RecipeError(f"{path}: data.train is required (or data.synthetic for generated data)")
         for key in ("train", "eval", "pretrain", "tokenizer"):
             value = getattr(d, key)
-            if value is not None and not os.path.isfile(value):
+            if value is not None and not os.path.exists(value):
                 raise RecipeError(f"{path}: data.{key}: {value} not found")
         if recipe.pretrain is not None and d.pretrain is None:
             raise RecipeError(f"{path}: pretrain needs data.pretrain (a .txt corpus)")

@@ -1,0 +1,241 @@
+"""JSON-lines → packed, fixed-length token rows, with N worker processes.
+
+Two kinds of input, one record per line:
+  - text (pre-training): ``{"text": ...}``; documents are concatenated with EOS between them and
+    cut into rows of ``seq_length`` (a document may continue in the next row; nothing is dropped
+    but the padding of the last row).
+  - sft: ``{"messages": [...]}`` (chat, rendered by ``mindqwen.data.chat``),
+    ``{"instruction", "input", "output"}`` (Alpaca, rendered as a one-turn chat) or
+    ``{"prompt", "response"}`` (raw text, no template); conversations are packed whole, first fit in
+    input order, longer ones truncated to ``seq_length`` (and counted); loss only where
+    ``train_on`` says.
+
+Workers tokenize chunks of lines; results are reassembled in input order, so the output is
+byte-identical for any worker count. Files are written to a temporary folder and renamed:
+``<out>/input_ids.npy``, ``<out>/labels.npy`` (int32 [rows, seq_length], memory-mappable) and
+``<out>/manifest.json`` (tokenizer hash, seq_length, counts, padding fraction, skipped lines).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from typing import List, Sequence, Tuple
+
+import numpy as np
+from tqdm import tqdm
+
+from mindqwen.data.loader import IGNORE_INDEX
+
+KINDS = ("text", "sft")
+CHUNK = 256  # lines per worker task
+
+
+@dataclass
+class Summary:
+    documents: int = 0
+    tokens: int = 0
+    rows: int = 0
+    padding_fraction: float = 0.0
+    truncated: int = 0
+    skipped: int = 0
+    skipped_lines: List[str] = field(default_factory=list)  # "file:line" of the first ten
+
+
+def load_tokenizer(path: str):
+    """A Qwen tokenizer folder (or qwen.tiktoken), or a SentencePiece ``.model``."""
+    from mindqwen.data.tokenizer import QwenTokenizer, SentencePieceTokenizer
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    return QwenTokenizer.from_tiktoken_file(path) if path.endswith(".tiktoken") else QwenTokenizer.from_pretrained(path)
+
+
+def tokenizer_hash(path: str) -> str:
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(path, f) for f in os.listdir(path)
+                                                       if f.endswith((".json", ".txt", ".tiktoken", ".model")))
+    h = hashlib.sha256()
+    for name in files:
+        with open(name, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- per-record work (in workers)
+_STATE = {}
+
+
+def _init_worker(tokenizer_path: str, kind: str, template: str, train_on: str) -> None:
+    _STATE.update(tokenizer=load_tokenizer(tokenizer_path), kind=kind, template=template, train_on=train_on)
+
+
+def _encode_record(record) -> Tuple[List[int], List[int]]:
+    tok = _STATE["tokenizer"]
+    if _STATE["kind"] == "text":
+        if not isinstance(record.get("text"), str):
+            raise KeyError("text")
+        ids = tok.encode(record["text"]) + [tok.eos_token_id]
+        return ids, ids
+    if "prompt" in record and "response" in record:
+        if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
+            raise TypeError("prompt and response must be strings")
+        prompt, response = tok.encode(record["prompt"]), tok.encode(record["response"]) + [tok.eos_token_id]
+        return prompt + response, [IGNORE_INDEX] * len(prompt) + response
+    from mindqwen.data.chat import encode_chat
+    messages = record.get("messages")
+    if messages is None:
+        if not isinstance(record.get("instruction"), str) or not isinstance(record.get("output"), str):
+            raise KeyError("messages, or instruction and output")
+        prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    ids, labels = encode_chat(messages, tok, _STATE["template"], _STATE["train_on"])
+    return ids.tolist(), labels.tolist()
+
+
+def _encode_chunk(chunk: Sequence[Tuple[int, str]]):
+    """[(line number, text)] → [(line number, ids, labels) or (line number, error)]."""
+    out = []
+    for n, line in chunk:
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError("not an object")
+            out.append((n, *_encode_record(record)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            out.append((n, f"{type(e).__name__}: {e}"))
+    return out
+
+
+# ---------------------------------------------------------------- packing
+def pack_stream(docs: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int):
+    """Concatenate and cut into rows; the last row is padded (labels -100)."""
+    ids = np.fromiter((t for d, _ in docs for t in d), np.int32)
+    labels = np.fromiter((t for _, lab in docs for t in lab), np.int32)
+    rows = -(-len(ids) // seq_length)
+    out_ids = np.full(rows * seq_length, pad_id, np.int32)
+    out_labels = np.full(rows * seq_length, IGNORE_INDEX, np.int32)
+    out_ids[:len(ids)], out_labels[:len(labels)] = ids, labels
+    return out_ids.reshape(rows, seq_length), out_labels.reshape(rows, seq_length), 0
+
+
+def pack_whole(docs: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int):
+    """First-fit packing of whole documents into rows, in input order; over-long ones truncated."""
+    rows: List[List[int]] = []
+    free: List[int] = []
+    truncated = 0
+    for i, (d, _) in enumerate(docs):
+        n = min(len(d), seq_length)
+        truncated += len(d) > seq_length
+        slot = next((r for r, room in enumerate(free) if room >= n), None)
+        if slot is None:
+            rows.append([])
+            free.append(seq_length)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        free[slot] -= n
+    out_ids = np.full((len(rows), seq_length), pad_id, np.int32)
+    out_labels = np.full((len(rows), seq_length), IGNORE_INDEX, np.int32)
+    for r, members in enumerate(rows):
+        at = 0
+        for i in members:
+            d, lab = docs[i]
+            n = min(len(d), seq_length)
+            out_ids[r, at:at + n], out_labels[r, at:at + n] = d[:n], lab[:n]
+            at += n
+    return out_ids, out_labels, truncated
+
+
+# ---------------------------------------------------------------- driver
+def preprocess(inputs: Sequence[str], output: str, tokenizer: str, seq_length: int, kind: str = "text",
+               workers: int = 1, template: str = "qwen2.5", train_on: str = "assistant",
+               skip_bad: bool = False, progress: bool = True) -> Summary:
+    """Tokenize and pack ``inputs`` (JSON-lines files) into the folder ``output``.
+
+    Raises:
+        ValueError: naming the file and line of the first bad record (unless ``skip_bad``).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if seq_length < 2 or workers < 1:
+        raise ValueError("seq_length must be >= 2 and workers >= 1")
+    lines = _read_lines(inputs)
+    chunks = [lines[i:i + CHUNK] for i in range(0, len(lines), CHUNK)]
+    init = (tokenizer, kind, template, train_on)
+    docs, summary = [], Summary()
+    with tqdm(total=len(lines), desc="tokenizing", unit="doc", disable=not progress) as bar:
+        results = _map(chunks, init, workers)
+        for chunk in results:
+            for item in chunk:
+                if len(item) == 2:
+                    where, error = item
+                    if not skip_bad:
+                        raise ValueError(f"{where}: {error}")
+                    summary.skipped += 1
+                    summary.skipped_lines.append(where) if len(summary.skipped_lines) < 10 else None
+                else:
+                    docs.append((item[1], item[2]))
+            bar.update(len(chunk))
+    if not docs:
+        raise ValueError(f"{', '.join(inputs)}: no usable records")
+    pad = load_tokenizer(tokenizer).pad_token_id
+    ids, labels, summary.truncated = (pack_stream if kind == "text" else pack_whole)(docs, seq_length, pad)
+    summary.documents, summary.rows = len(docs), len(ids)
+    summary.tokens = sum(min(len(d), seq_length) if kind == "sft" else len(d) for d, _ in docs)
+    summary.padding_fraction = 1 - summary.tokens / ids.size
+    _write(output, ids, labels, {"kind": kind, "seq_length": seq_length, "tokenizer": tokenizer,
+                                 "tokenizer_sha256": tokenizer_hash(tokenizer), "template": template,
+                                 "train_on": train_on, "inputs": list(inputs), **asdict(summary)})
+    return summary
+
+
+def _read_lines(inputs: Sequence[str]) -> List[Tuple[str, str]]:
+    """[(\"file:line\", text)] of every non-empty line."""
+    lines = []
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: input file not found")
+        with open(path, encoding="utf-8") as f:
+            lines += [(f"{path}:{n}", line) for n, line in enumerate(f, 1) if line.strip()]
+    return lines
+
+
+def _map(chunks, init, workers: int):
+    if workers == 1:
+        _init_worker(*init)
+        return (_encode_chunk(c) for c in chunks)
+    pool = get_context("spawn").Pool(workers, _init_worker, init)
+    try:
+        return list(pool.imap(_encode_chunk, chunks))  # imap keeps input order
+    finally:
+        pool.close()
+
+
+def _write(output: str, ids: np.ndarray, labels: np.ndarray, manifest: dict) -> None:
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    if os.path.exists(output):
+        raise FileExistsError(f"{output} exists; not overwriting it")
+    staging = tempfile.mkdtemp(prefix=".preprocess-", dir=parent)
+    try:
+        np.save(os.path.join(staging, "input_ids.npy"), ids)
+        np.save(os.path.join(staging, "labels.npy"), labels)
+        with open(os.path.join(staging, "manifest.json"), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def load_packed(folder: str, mmap: bool = True):
+    """A preprocessed folder as a ``TokenDataset`` (memory-mapped by default) and its manifest."""
+    from mindqwen.data.loader import TokenDataset
+    from mindqwen.io.jsonfile import read_json
+    manifest = read_json(os.path.join(folder, "manifest.json"), ValueError, "preprocess manifest")
+    mode = "r" if mmap else None
+    ids = np.load(os.path.join(folder, "input_ids.npy"), mmap_mode=mode)
+    labels = np.load(os.path.join(folder, "labels.npy"), mmap_mode=mode)
+    return TokenDataset(ids, labels), manifest
