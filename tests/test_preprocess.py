@@ -78,3 +78,24 @@ def test_bad_lines_are_named_or_skipped_and_nothing_is_left(hf_folder, tmp_path)
     assert s.skipped == 2 and s.skipped_lines == [f"{path}:3", f"{path}:4"] and s.documents == 2
     with pytest.raises(FileExistsError):
         preprocess([str(path)], str(tmp_path / "out"), str(hf_folder[0]), 16, "text", skip_bad=True, progress=False)
+
+
+def test_mindspore_dataset_resumes_at_step_k_exactly(hf_folder, text_file, tmp_path):  # noqa: F811
+    from mindqwen.data.loader import BatchLoader, mindspore_dataset
+    path, _ = text_file
+    preprocess([path], str(tmp_path / "out"), str(hf_folder[0]), 32, "text", progress=False)
+    data, _ = load_packed(str(tmp_path / "out"))
+    loader = BatchLoader(data, 8, seed=3, rank=1, world=2)
+    steps = 3 * loader.steps_per_epoch + 2  # crosses epoch boundaries (reshuffles)
+
+    def run(start, workers):
+        ds = mindspore_dataset(loader, steps, start, workers)
+        return [(b["input_ids"], b["labels"]) for b in ds.create_dict_iterator(num_epochs=1, output_numpy=True)]
+
+    full = run(0, 1)
+    assert len(full) == steps and all(b[0].shape == (8, 32) and b[0].dtype == np.int32 for b in full)
+    k = loader.steps_per_epoch + 3
+    resumed = run(k, 2)
+    assert len(resumed) == steps - k
+    for (a_ids, a_lab), (b_ids, b_lab) in zip(full[k:], resumed):
+        assert (a_ids == b_ids).all() and (a_lab == b_lab).all()

@@ -78,3 +78,19 @@ def test_stream_decoding_never_emits_half_characters(hf_folder):
         assert "\ufffd" not in piece
         out.append(piece)
     assert "".join(out) + stream.flush() == text
+
+
+def test_qwen1_tiktoken_file(hf_folder, tmp_path):
+    """The same vocabulary written as Qwen-1's qwen.tiktoken (base64 bytes, rank) encodes alike."""
+    import base64
+    folder, hf = hf_folder
+    ours = QwenTokenizer.from_pretrained(str(folder))
+    lines = sorted((rank, base64.b64encode(token).decode()) for token, rank in ours.encoding._mergeable_ranks.items())
+    (tmp_path / "qwen.tiktoken").write_text("".join(f"{b64} {rank}\n" for rank, b64 in lines))
+    qwen1 = QwenTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        if "<think>" not in text:  # Qwen-1 has no think tokens; its first three specials match Qwen2's
+            assert qwen1.encode(text) == hf.encode(text).ids, text
+    (tmp_path / "qwen.tiktoken").write_text("not-base64\n")
+    with pytest.raises(ValueError, match=r"qwen\.tiktoken:1: expected"):
+        QwenTokenizer.from_pretrained(str(tmp_path))

@@ -85,3 +85,32 @@ class BatchLoader:
         while stop_step is None or step < stop_step:
             yield self.batch(step)
             step += 1
+
+
+class _StepSource:
+    """Random-access source for ``GeneratorDataset``: item ``i`` is the batch of step ``i``."""
+
+    def __init__(self, loader: BatchLoader, steps: int):
+        self.loader, self.steps = loader, steps
+
+    def __getitem__(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        return self.loader.batch(step)
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+def mindspore_dataset(loader: BatchLoader, steps: int, start_step: int = 0, workers: int = 1):
+    """The loader's batches for steps [start_step, steps) as a MindSpore dataset
+    (``input_ids``, ``labels``: int32 [batch, seq]), fixed shapes for graph mode.
+
+    Resuming is ``set_init_step``: batches are computed by index, so nothing before
+    ``start_step`` is read, and step k's batch is the same whatever the start or worker count.
+    """
+    import mindspore.dataset as msd
+    if not 0 <= start_step <= steps:
+        raise ValueError(f"start_step={start_step} must be in [0, steps={steps}]")
+    dataset = msd.GeneratorDataset(_StepSource(loader, steps), ["input_ids", "labels"], shuffle=False,
+                                   num_parallel_workers=workers, python_multiprocessing=False)
+    dataset.set_init_step(start_step)
+    return dataset

@@ -103,7 +103,8 @@ def _encode_chunk(chunk: Sequence[Tuple[int, str]]):
             record = json.loads(line)
             if not isinstance(record, dict):
                 raise TypeError("not an object")
-            out.append((n, *_encode_record(record)))
+            ids, labels = _encode_record(record)  # int32 arrays: cheap to send back from a worker
+            out.append((n, np.asarray(ids, np.int32), np.asarray(labels, np.int32)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             out.append((n, f"{type(e).__name__}: {e}"))
     return out
@@ -112,8 +113,8 @@ def _encode_chunk(chunk: Sequence[Tuple[int, str]]):
 # ---------------------------------------------------------------- packing
 def pack_stream(docs: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int):
     """Concatenate and cut into rows; the last row is padded (labels -100)."""
-    ids = np.fromiter((t for d, _ in docs for t in d), np.int32)
-    labels = np.fromiter((t for _, lab in docs for t in lab), np.int32)
+    ids = np.concatenate([d for d, _ in docs]).astype(np.int32)
+    labels = np.concatenate([lab for _, lab in docs]).astype(np.int32)
     rows = -(-len(ids) // seq_length)
     out_ids = np.full(rows * seq_length, pad_id, np.int32)
     out_labels = np.full(rows * seq_length, IGNORE_INDEX, np.int32)
