@@ -79,3 +79,32 @@ def test_rope_tables_match_hf(name, length, mode):
     tol = 2e-5 if name == "dynamic" else 1e-6
     np.testing.assert_allclose(cos.asnumpy()[:, 0], EXTRA[f"rope/{name}/cos_{length}"], atol=tol)
     np.testing.assert_allclose(sin.asnumpy()[:, 0], EXTRA[f"rope/{name}/sin_{length}"], atol=tol)
+
+
+def test_packed_documents_equal_each_document_alone(mode):
+    """Two documents packed in one row, separated by EOS, with document boundaries on: each
+    document's logits equal the model run on that document alone (positions restart, no
+    attention across documents); without boundaries the second document differs."""
+    import mindspore as ms
+    from mindqwen.models.qwen import set_document_boundaries
+    model = from_pretrained(fixture_path("qwen3_tiny", "base"))
+    eos = 7
+    rng = np.random.default_rng(0)
+    a = np.append(rng.integers(10, 500, 5), eos)
+    b = np.append(rng.integers(10, 500, 6), eos)
+    row = np.concatenate([a, b, [3, 4]])[None].astype(np.int32)  # a tail document without EOS
+    alone = [model(ms.Tensor(d[None].astype(np.int32))).asnumpy()[0] for d in (a, b, np.array([3, 4]))]
+    plain = model(ms.Tensor(row)).asnumpy()[0]
+    set_document_boundaries(model, eos)
+    packed = model(ms.Tensor(row)).asnumpy()[0]
+    na, nb = len(a), len(b)
+    np.testing.assert_allclose(packed[:na], alone[0], atol=2e-5)
+    np.testing.assert_allclose(packed[na:na + nb], alone[1], atol=2e-5)
+    np.testing.assert_allclose(packed[na + nb:], alone[2], atol=2e-5)
+    assert np.abs(plain[na:na + nb] - alone[1]).max() > 1e-2  # the boundary matters
+    # with right padding as well: padded keys are ignored, the documents are unchanged
+    n = row.shape[1]
+    mask = np.ones((1, n + 2), np.int32)
+    mask[0, n:] = 0
+    padded = model(ms.Tensor(np.concatenate([row, [[0, 0]]], 1).astype(np.int32)), ms.Tensor(mask)).asnumpy()[0]
+    np.testing.assert_allclose(padded[:n], packed, atol=2e-5)

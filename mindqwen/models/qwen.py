@@ -247,6 +247,22 @@ class QwenModel(nn.Cell):
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window or 0
         self.hidden_dtype = None
+        # Packed rows: with an EOS id set (``set_document_boundaries``), each document restarts
+        # its positions after an EOS and attends only within itself.
+        self.document_eos_id = None
+
+    def _documents(self, input_ids, attention_mask, idx, future):
+        """Positions and mask for packed documents separated by EOS (the EOS ends its document)."""
+        b, s = input_ids.shape
+        eos = (input_ids == self.document_eos_id).astype(ms.int32)
+        segment = ops.cumsum(eos, 1) - eos  # (B, S): EOS tokens strictly before each token
+        same = segment.reshape(b, s, 1) == segment.reshape(b, 1, s)  # (B, S_q, S_k)
+        if attention_mask is not None:
+            same = ops.logical_and(same, (attention_mask != 0).reshape(b, 1, s))
+        earlier = ops.logical_and(same, (idx.reshape(s, 1) > idx.reshape(1, s)).reshape(1, s, s))
+        position_ids = ops.reduce_sum(earlier.astype(ms.int32), -1)  # earlier tokens of the same document
+        masked = ops.logical_or(future.reshape(1, s, s), ops.logical_not(same))
+        return position_ids, masked.reshape(b, 1, s, s)
 
     def construct(self, input_ids, attention_mask=None, output_hidden_states=False):
         """input_ids (B, S) int32; attention_mask (B, S), 1 = token, 0 = padding (left or right).
@@ -257,7 +273,9 @@ class QwenModel(nn.Cell):
         b, s = input_ids.shape
         idx = ops.arange(0, s, dtype=ms.int32)
         masked = idx.reshape(1, s) > idx.reshape(s, 1)  # (S_q, S_k): future keys
-        if attention_mask is None:
+        if self.document_eos_id is not None:
+            position_ids, masked = self._documents(input_ids, attention_mask, idx, masked)
+        elif attention_mask is None:
             position_ids = ops.broadcast_to(idx.reshape(1, s), (b, s))
             masked = ops.broadcast_to(masked.reshape(1, 1, s, s), (b, 1, s, s))
         else:
@@ -336,3 +354,11 @@ class QwenForCausalLM(nn.Cell):
         """Write an HF folder (config.json + safetensors) that transformers loads unchanged."""
         from mindqwen.io.hf import save_pretrained
         save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def set_document_boundaries(model: QwenForCausalLM, eos_token_id: Optional[int]) -> None:
+    """Treat every ``eos_token_id`` in a row as the end of a packed document: positions restart
+    after it and attention stays inside each document (None turns it off)."""
+    from mindqwen.models.graph import invalidate_compiled_graphs
+    model.model.document_eos_id = None if eos_token_id is None else int(eos_token_id)
+    invalidate_compiled_graphs(model)

@@ -74,6 +74,8 @@ class DataSection:
             packed) or ``.jsonl`` prompt/response pairs (loss on the responses).
         tokenizer: SentencePiece ``.model`` (needed for ``.jsonl`` and ``.txt`` data).
         seq_length: tokens per example.
+        reset_positions: packed rows hold several documents: restart positions after every EOS
+            and keep attention inside each document.
         synthetic: make the demo data instead of reading files.
     """
 
@@ -82,6 +84,7 @@ class DataSection:
     pretrain: Optional[str] = None
     tokenizer: Optional[str] = None
     seq_length: int = 256
+    reset_positions: bool = False
     synthetic: Optional[SyntheticSection] = None
 
     def __post_init__(self) -> None:

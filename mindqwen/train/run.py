@@ -22,7 +22,7 @@ from mindqwen.evaluate import exact_match
 from mindqwen.export import export_mindir
 from mindqwen.io.hf import from_pretrained
 from mindqwen.lora import apply_lora
-from mindqwen.models.qwen import QwenForCausalLM
+from mindqwen.models.qwen import QwenForCausalLM, set_document_boundaries
 from mindqwen.train.loop import fit
 from mindqwen.train.recipe import DataSection, ModelSection, Recipe
 
@@ -98,6 +98,11 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
     eval_set, eval_pairs = load_split(data.eval, tokenizer, data.seq_length)
     ms.set_seed(recipe.trainer.seed)
     model = build_model(recipe.model, tokenizer.vocab_size if tokenizer else None)
+    if data.reset_positions:
+        eos = tokenizer.eos_token_id if tokenizer else model.config.eos_token_id
+        if not isinstance(eos, int):
+            raise ValueError("data.reset_positions needs the EOS id: give data.tokenizer (or a config eos_token_id)")
+        set_document_boundaries(model, eos)
     summary = {"output_dir": out}
 
     if recipe.pretrain is not None:
