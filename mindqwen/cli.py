@@ -137,8 +137,12 @@ def cmd_convert(argv: List[str]) -> None:
             raise ValueError(f"target {args.target!r}: converting an HF folder writes a .ckpt file")
         model = from_pretrained(args.source)
         tmp = args.target + ".tmp.ckpt"
-        ms.save_checkpoint(model, tmp)
-        os.replace(tmp, args.target)
+        try:
+            ms.save_checkpoint(model, tmp)
+            os.replace(tmp, args.target)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     else:
         if not args.config:
             raise ValueError("converting a .ckpt needs --config (the HF folder or config.json it belongs to)")

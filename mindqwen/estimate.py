@@ -144,18 +144,16 @@ def _device(device: str) -> Tuple[float, float, str]:
 
 
 def estimate_recipe(recipe, device: str) -> Estimate:
+    """The recipe's memory per device; the architecture comes from the checkpoint's config.json,
+    or from ``model.preset`` when the checkpoint is not on this machine (no weights are read)."""
     from mindqwen.train.validate import model_config
-    config = model_config_for_estimate(recipe, model_config)
+    m = recipe.model
+    if m.checkpoint and m.preset and not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
+        config = QwenConfig.from_preset(m.preset, **m.config)
+    else:
+        config = model_config(recipe, "recipe")
     return estimate(config, recipe.lora, recipe.trainer, recipe.parallel, recipe.model.dtype,
                     recipe.data.seq_length, device)
-
-
-def model_config_for_estimate(recipe, model_config) -> QwenConfig:
-    """The checkpoint's config when it is there, else the preset's (no weights are read)."""
-    m = recipe.model
-    if m.checkpoint and not os.path.isfile(os.path.join(m.checkpoint, "config.json")) and m.preset:
-        return QwenConfig.from_preset(m.preset, **m.config)
-    return model_config(recipe, "recipe")
 
 
 def format_estimate(e: Estimate) -> str:
