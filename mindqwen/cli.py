@@ -169,7 +169,7 @@ def cmd_preprocess(argv: List[str]) -> None:
     """Tokenize JSON-lines (text, or chat / instruction / prompt-response) and pack into fixed-length rows."""
     p = _parser(cmd_preprocess, "mindqwen preprocess outputs/demo/data/train.jsonl --output out/train --kind sft "
                                 "--tokenizer outputs/demo/data/tokenizer.model --seq-length 32 --workers 2")
-    p.add_argument("inputs", nargs="+", help=".jsonl files: {\"text\"} records (--kind text) or {\"messages\"} / "
+    p.add_argument("inputs", nargs="+", help=".jsonl files (or .json arrays): {\"text\"} records (--kind text) or {\"messages\"} / "
                                              "{\"instruction\", \"input\", \"output\"} / {\"prompt\", \"response\"} (--kind sft)")
     p.add_argument("--output", required=True, help="folder to create: input_ids.npy, labels.npy, manifest.json")
     p.add_argument("--tokenizer", required=True, help="Qwen HF folder, qwen.tiktoken, or SentencePiece .model")

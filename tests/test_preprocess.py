@@ -99,3 +99,15 @@ def test_mindspore_dataset_resumes_at_step_k_exactly(hf_folder, text_file, tmp_p
     assert len(resumed) == steps - k
     for (a_ids, a_lab), (b_ids, b_lab) in zip(full[k:], resumed):
         assert (a_ids == b_ids).all() and (a_lab == b_lab).all()
+
+
+def test_json_array_input_equals_jsonl(hf_folder, tmp_path):  # noqa: F811
+    records = [{"text": t} for t in CORPUS]
+    (tmp_path / "a.json").write_text(json.dumps(records, ensure_ascii=False))
+    jsonl = write_jsonl(tmp_path / "a.jsonl", records)
+    preprocess([str(tmp_path / "a.json")], str(tmp_path / "j"), str(hf_folder[0]), 32, "text", progress=False)
+    preprocess([jsonl], str(tmp_path / "l"), str(hf_folder[0]), 32, "text", progress=False)
+    assert (tmp_path / "j" / "input_ids.npy").read_bytes() == (tmp_path / "l" / "input_ids.npy").read_bytes()
+    (tmp_path / "bad.json").write_text(json.dumps([{"text": "ok"}, {"txt": "no"}]))
+    with pytest.raises(ValueError, match=r"bad\.json\[1\]: KeyError"):
+        preprocess([str(tmp_path / "bad.json")], str(tmp_path / "b"), str(hf_folder[0]), 32, "text", progress=False)

@@ -94,3 +94,12 @@ def test_qwen1_tiktoken_file(hf_folder, tmp_path):
     (tmp_path / "qwen.tiktoken").write_text("not-base64\n")
     with pytest.raises(ValueError, match=r"qwen\.tiktoken:1: expected"):
         QwenTokenizer.from_pretrained(str(tmp_path))
+
+
+def test_disallowed_special_tokens_raise(hf_folder):
+    ours = QwenTokenizer.from_pretrained(str(hf_folder[0]))
+    with pytest.raises(ValueError, match="disallowed special token"):
+        ours.encode("user text <|im_start|>system", allowed_special="none", disallowed_special="all")
+    assert ours.encode("plain text", allowed_special="none", disallowed_special="all") == ours.encode("plain text")
+    with pytest.raises(ValueError, match="not added tokens"):
+        ours.encode("x", allowed_special=["<|nope|>"])

@@ -1,6 +1,6 @@
-"""JSON-lines → packed, fixed-length token rows, with N worker processes.
+"""JSON-lines (or JSON arrays) → packed, fixed-length token rows, with N worker processes.
 
-Two kinds of input, one record per line:
+Two kinds of input, one record per line (or per element of a ``.json`` array):
   - text (pre-training): ``{"text": ...}``; documents are concatenated with EOS between them and
     cut into rows of ``seq_length`` (a document may continue in the next row; nothing is dropped
     but the padding of the last row).
@@ -193,13 +193,23 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: str, seq_length: i
 
 
 def _read_lines(inputs: Sequence[str]) -> List[Tuple[str, str]]:
-    """[(\"file:line\", text)] of every non-empty line."""
+    """[(where, JSON text)] of every record: a JSON-lines file's non-empty lines ("file:line"),
+    or the elements of a ``.json`` file holding one array ("file[index]")."""
     lines = []
     for path in inputs:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: input file not found")
         with open(path, encoding="utf-8") as f:
-            lines += [(f"{path}:{n}", line) for n, line in enumerate(f, 1) if line.strip()]
+            if not path.endswith(".json"):
+                lines += [(f"{path}:{n}", line) for n, line in enumerate(f, 1) if line.strip()]
+                continue
+            try:
+                records = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(records, list):
+            raise ValueError(f"{path}: a .json input holds one array of records")
+        lines += [(f"{path}[{i}]", json.dumps(r, ensure_ascii=False)) for i, r in enumerate(records)]
     return lines
 
 

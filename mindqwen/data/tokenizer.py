@@ -111,21 +111,44 @@ class QwenTokenizer:
         return cls(ranks, added, "<|endoftext|>", nfc=False, name="qwen1")
 
     # ------------------------------------------------------------------ use
-    def encode(self, text: str, allowed_special: Union[str, Sequence[str]] = "all") -> List[int]:
+    def encode(self, text: str, allowed_special: Union[str, Sequence[str]] = "all",
+               disallowed_special: Union[str, Sequence[str]] = ()) -> List[int]:
         """Ids of ``text``. Added tokens in the text are matched whole when allowed ("all", a list
-        of them, or "none": then their text is encoded as ordinary characters)."""
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
-        allowed = set(self.added) if allowed_special == "all" else set() if allowed_special == "none" else set(allowed_special)
-        return self.encoding.encode(text, allowed_special=allowed, disallowed_special=())
+        of them, or "none"); the others are encoded as ordinary characters, unless listed in
+        ``disallowed_special`` ("all" or a list): then their presence raises ValueError (for
+        untrusted text that must not inject control tokens)."""
+        allowed, disallowed = self._special_sets(allowed_special, disallowed_special)
+        try:
+            return self.encoding.encode(unicodedata.normalize("NFC", text) if self.nfc else text,
+                                        allowed_special=allowed, disallowed_special=disallowed)
+        except ValueError as e:  # tiktoken: "Encountered text corresponding to disallowed special token ..."
+            raise ValueError(str(e).splitlines()[0]) from None
 
     def encode_batch(self, texts: Sequence[str], allowed_special: Union[str, Sequence[str]] = "all",
-                     num_threads: int = 8) -> List[List[int]]:
+                     disallowed_special: Union[str, Sequence[str]] = (), num_threads: int = 8) -> List[List[int]]:
+        """``encode`` of every text, on ``num_threads`` threads (tiktoken releases the GIL)."""
         if self.nfc:
             texts = [unicodedata.normalize("NFC", t) for t in texts]
-        allowed = set(self.added) if allowed_special == "all" else set() if allowed_special == "none" else set(allowed_special)
-        return self.encoding.encode_batch(list(texts), num_threads=num_threads, allowed_special=allowed,
-                                          disallowed_special=())
+        allowed, disallowed = self._special_sets(allowed_special, disallowed_special)
+        try:
+            return self.encoding.encode_batch(list(texts), num_threads=num_threads, allowed_special=allowed,
+                                              disallowed_special=disallowed)
+        except ValueError as e:
+            raise ValueError(str(e).splitlines()[0]) from None
+
+    def _special_sets(self, allowed_special, disallowed_special):
+        allowed = self._special_set(allowed_special)
+        return allowed, self._special_set(disallowed_special) - allowed
+
+    def _special_set(self, spec: Union[str, Sequence[str]]) -> set:
+        if spec == "all":
+            return set(self.added)
+        if spec == "none":
+            return set()
+        unknown = set(spec) - set(self.added)
+        if unknown:
+            raise ValueError(f"not added tokens of this tokenizer: {sorted(unknown)}")
+        return set(spec)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self.encoding.decode_bytes([int(i) for i in ids])
