@@ -122,34 +122,31 @@ def cmd_export(argv: List[str]) -> None:
 
 
 def cmd_convert(argv: List[str]) -> None:
-    """Convert between an HF safetensors folder and a MindSpore .ckpt file (by the file suffix)."""
-    p = _parser(cmd_convert, "mindqwen convert tests/fixtures/qwen2_tiny/base out/model.ckpt\n"
-                             "  mindqwen convert out/model.ckpt out/hf --config tests/fixtures/qwen2_tiny/base")
-    p.add_argument("source", help="HF folder, or .ckpt")
-    p.add_argument("target", help=".ckpt, or HF folder")
-    p.add_argument("--config", help="for .ckpt → HF: folder (or config.json) with the model config")
+    """Convert checkpoints between HF, MindSpore .ckpt and mindformers (legacy, Mcore) namings."""
+    p = _parser(cmd_convert, "mindqwen convert tests/fixtures/qwen2_tiny/base out/model.ckpt --to ms-ckpt\n"
+                             "  mindqwen convert mf.ckpt out/hf --from mindformers --qkv interleaved --mlp interleaved "
+                             "--config tests/fixtures/qwen2_tiny/base --dtype bf16")
+    p.add_argument("source", help="HF folder, .safetensors or .ckpt")
+    p.add_argument("target", help="HF folder (--to hf), or a .ckpt / .safetensors file")
+    p.add_argument("--from", dest="src", choices=["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"],
+                   help="source format (default: hf for a folder, else ms-ckpt)")
+    p.add_argument("--to", dest="dst", choices=["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"],
+                   help="target format (default: ms-ckpt for a .ckpt target, else hf)")
+    p.add_argument("--config", help="HF folder or config.json of the model (needed unless the source is an HF folder)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="stored dtype (default: as read)")
+    p.add_argument("--qkv", choices=["contiguous", "interleaved"], help="mindformers side: fused q/k/v layout")
+    p.add_argument("--mlp", choices=["contiguous", "interleaved"], help="mindformers side: fused gate/up layout")
+    p.add_argument("--max-shard-size", default="5GB", help="HF output: shard above this size")
     args = p.parse_args(argv)
-    import mindspore as ms
-    from mindqwen import QwenConfig, QwenForCausalLM, from_pretrained
-    from mindqwen.io.hf import load_checkpoint_file
-    if os.path.isdir(args.source):
-        if not args.target.endswith(".ckpt"):
-            raise ValueError(f"target {args.target!r}: converting an HF folder writes a .ckpt file")
-        model = from_pretrained(args.source)
-        tmp = args.target + ".tmp.ckpt"
-        try:
-            ms.save_checkpoint(model, tmp)
-            os.replace(tmp, args.target)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    else:
-        if not args.config:
-            raise ValueError("converting a .ckpt needs --config (the HF folder or config.json it belongs to)")
-        model = QwenForCausalLM(QwenConfig.from_hf(args.config))
-        load_checkpoint_file(model, args.source)
-        model.save_pretrained(args.target)
-    print(f"wrote {args.target}")
+    from mindqwen.io.convert import convert
+    src = args.src or ("hf" if os.path.isdir(args.source) else "ms-ckpt")
+    dst = args.dst or ("ms-ckpt" if args.target.endswith(".ckpt") else "hf")
+    if src == "hf" and os.path.isdir(args.source) and args.config is None:
+        args.config = args.source
+    if args.config is None:
+        raise ValueError(f"converting from {src} needs --config (the HF folder or config.json it belongs to)")
+    convert(args.source, args.target, src, dst, args.config, args.dtype, args.qkv, args.mlp, args.max_shard_size)
+    print(f"wrote {args.target} ({dst})")
 
 
 def cmd_merge(argv: List[str]) -> None:

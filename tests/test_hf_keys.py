@@ -8,7 +8,7 @@ import pytest
 from conftest import MODELS, fixture_path, reference
 from mindqwen import QwenConfig, QwenForCausalLM, from_pretrained
 from mindqwen.io.hf import open_checkpoint
-from mindqwen.models.hf_keys import fuse, from_format, part_rows, to_format
+from mindqwen.models.hf_keys import from_format, fuse, lazy, part_rows, to_format
 
 VARIANTS = [("mindformers", None, None), ("mindformers", "interleaved", "interleaved"),
             ("mindformers-mcore", "contiguous", "contiguous"), ("mindformers-mcore", "interleaved", "interleaved"),
@@ -24,10 +24,11 @@ def hf_state(name):
 @pytest.mark.parametrize("fmt,qkv,mlp", VARIANTS)
 def test_round_trip_is_bit_exact_and_gives_hf_logits(name, fmt, qkv, mlp):
     state, cfg = hf_state(name)
-    foreign = to_format(state, fmt, cfg.num_key_value_heads, qkv, mlp)
+    foreign = to_format(lazy(state), fmt, cfg.num_key_value_heads, qkv, mlp)
     assert not set(foreign) & {k for k in state if "layers" in k}  # every layer key was renamed
     rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-    back = from_format(foreign, fmt, cfg.num_key_value_heads, rows, qkv, mlp)
+    foreign = lazy({k: t.load() for k, t in foreign.items()})  # as a foreign checkpoint holds them
+    back = {k: t.load() for k, t in from_format(foreign, fmt, cfg.num_key_value_heads, rows, qkv, mlp).items()}
     assert set(back) == set(state)
     for k in state:
         assert back[k].dtype == state[k].dtype and np.array_equal(back[k], state[k]), k
@@ -59,6 +60,6 @@ def test_unmatched_keys_and_unknown_formats_are_named():
     state, cfg = hf_state("qwen2_tiny")
     state["model.layers.0.self_attn.rotary.extra"] = np.zeros(1, np.float32)
     with pytest.raises(KeyError, match="match no name map entry: model.layers.0.self_attn.rotary.extra"):
-        to_format(state, "mindformers", cfg.num_key_value_heads)
+        to_format(lazy(state), "mindformers", cfg.num_key_value_heads)
     with pytest.raises(ValueError, match="unknown checkpoint format 'megatron'"):
-        to_format(state, "megatron", cfg.num_key_value_heads)
+        to_format(lazy(state), "megatron", cfg.num_key_value_heads)

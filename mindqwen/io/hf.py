@@ -166,8 +166,15 @@ def save_pretrained(model: QwenForCausalLM, folder: str, dtype: Optional[str] = 
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    save_tensors(folder, {name: _lazy(p, dtype) for name, p in _state(model)}, model.config.to_hf(), dtype,
+                 max_shard_size)
+
+
+def save_tensors(folder: str, tensors: Dict[str, LazyTensor], hf_config: dict, dtype: Optional[str] = None,
+                 max_shard_size: str = "5GB") -> None:
+    """Write lazy tensors (HF names) and ``hf_config`` as an HF folder, staged and moved into
+    place; tensors are read one at a time, so peak memory stays near the largest one."""
     limit = parse_size(max_shard_size)
-    tensors = {name: _lazy(p, dtype) for name, p in _state(model)}
     shards: List[Dict[str, LazyTensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -181,8 +188,7 @@ def save_pretrained(model: QwenForCausalLM, folder: str, dtype: Optional[str] = 
     stage = os.path.join(folder, f".tmp-save-{os.getpid()}")
     os.makedirs(stage, exist_ok=True)
     try:
-        hf_config = model.config.to_hf()
-        hf_config["torch_dtype"] = dtype or _dtype_name(next(iter(tensors.values())).dtype)
+        hf_config = dict(hf_config, torch_dtype=dtype or _dtype_name(next(iter(tensors.values())).dtype))
         _write_json(os.path.join(stage, "config.json"), hf_config)
         names = ([SINGLE_FILE] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])

@@ -10,9 +10,12 @@ rows). Sources: ../shared/notes/anchors.md §2.4–2.5 (mindformers r1.8 ``conve
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional
+from functools import partial
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
+
+from mindqwen.io.safetensors import LazyTensor
 
 LEGACY = {  # mindformers LlamaForCausalLM (research/qwen2_5, use_legacy: True)
     "model.embed_tokens.weight": "model.tok_embeddings.embedding_weight",
@@ -113,10 +116,11 @@ def unfuse(fused: np.ndarray, sizes: List[int], kind: str, groups: int, interlea
 LAYOUTS = (None, "contiguous", "interleaved")  # None: not fused
 
 
-def to_format(state: Dict[str, np.ndarray], fmt: str, num_kv_heads: int, qkv: Optional[str] = None,
-              mlp: Optional[str] = None) -> Dict[str, np.ndarray]:
+def to_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, qkv: Optional[str] = None,
+              mlp: Optional[str] = None) -> Dict[str, LazyTensor]:
     """HF state → ``fmt`` (mindformers | mindformers-mcore); ``qkv`` / ``mlp`` fuse those
-    projections with a layout (contiguous | interleaved), None keeps them apart."""
+    projections with a layout (contiguous | interleaved), None keeps them apart. Lazy: a fused
+    tensor reads its parts only when it is loaded."""
     if fmt not in MAPS:
         raise ValueError(f"unknown checkpoint format {fmt!r}; known: {', '.join(MAPS)}")
     layouts = _layouts(qkv, mlp)
@@ -126,14 +130,16 @@ def to_format(state: Dict[str, np.ndarray], fmt: str, num_kv_heads: int, qkv: Op
         if layouts[kind] is None:
             continue
         for match in _instances(out, parts[0]):
-            members = [p.format(**match) for p in parts]
-            out[fused.format(**match)] = fuse([out.pop(m) for m in members], kind, num_kv_heads,
-                                              layouts[kind] == "interleaved")
+            members = [out.pop(p.format(**match)) for p in parts]
+            shape = (sum(m.shape[0] for m in members),) + tuple(members[0].shape[1:])
+            out[fused.format(**match)] = LazyTensor(shape, members[0].dtype, partial(
+                lambda ms_, k, il: fuse([m.load() for m in ms_], k, num_kv_heads, il),
+                members, kind, layouts[kind] == "interleaved"))
     return out
 
 
-def from_format(state: Dict[str, np.ndarray], fmt: str, num_kv_heads: int, rows: Dict[str, List[int]],
-                qkv: Optional[str] = None, mlp: Optional[str] = None) -> Dict[str, np.ndarray]:
+def from_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, rows: Dict[str, List[int]],
+                qkv: Optional[str] = None, mlp: Optional[str] = None) -> Dict[str, LazyTensor]:
     """``fmt`` state → HF. Fused tensors present are split with their layout; ``rows`` gives the
     parts' row counts (``part_rows``)."""
     if fmt not in MAPS:
@@ -144,11 +150,20 @@ def from_format(state: Dict[str, np.ndarray], fmt: str, num_kv_heads: int, rows:
         for match in _instances(out, fused):
             if layouts[kind] is None:
                 raise ValueError(f"{fused.format(**match)} is fused: give its layout ({kind}=contiguous|interleaved)")
-            pieces = unfuse(out.pop(fused.format(**match)), rows[kind], kind, num_kv_heads,
-                            layouts[kind] == "interleaved")
-            out.update({p.format(**match): t for p, t in zip(parts, pieces)})
+            whole = out.pop(fused.format(**match))
+            if whole.shape[0] != sum(rows[kind]):
+                raise ValueError(f"{fused.format(**match)} has {whole.shape[0]} rows, the config implies {sum(rows[kind])}")
+            for j, p in enumerate(parts):
+                out[p.format(**match)] = LazyTensor((rows[kind][j],) + tuple(whole.shape[1:]), whole.dtype, partial(
+                    lambda t, k, il, j_: unfuse(t.load(), rows[k], k, num_kv_heads, il)[j_],
+                    whole, kind, layouts[kind] == "interleaved", j))
     names = rename(list(out), inverse(MAPS[fmt]))
     return {names[k]: v for k, v in out.items()}
+
+
+def lazy(arrays: Mapping[str, np.ndarray]) -> Dict[str, LazyTensor]:
+    """In-memory arrays as lazy tensors."""
+    return {k: LazyTensor(tuple(a.shape), a.dtype, partial(lambda x: x, a)) for k, a in arrays.items()}
 
 
 def _layouts(qkv: Optional[str], mlp: Optional[str]) -> Dict[str, Optional[str]]:

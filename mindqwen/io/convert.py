@@ -1,0 +1,133 @@
+"""Checkpoint conversion between HF (= mindqwen), MindSpore ``.ckpt`` and mindformers' namings.
+
+    hf | mindqwen       an HF folder (config.json + safetensors, sharded or not)
+    ms-ckpt             a MindSpore .ckpt with HF/mindqwen parameter names
+    mindformers         legacy names (attention.wq, feed_forward.w1, …): .ckpt or safetensors
+    mindformers-mcore   Mcore names (self_attention.linear_qkv, mlp.linear_fc1, …): .ckpt or safetensors
+
+Every conversion goes through HF names: read lazily → rename / split fused tensors → check every
+key and shape against the model the config describes → rename / fuse → write (staged, renamed).
+Safetensors sources stream tensor by tensor; a ``.ckpt`` source is read whole by MindSpore.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Dict, Optional
+
+import numpy as np
+
+from mindqwen.config import QwenConfig
+from mindqwen.io.hf import DTYPES, no_init_parameters, open_checkpoint, sanitize, save_tensors
+from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
+from mindqwen.models.hf_keys import MAPS, from_format, part_rows, to_format
+
+FORMATS = ("hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore")
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+                 "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def read_state(path: str) -> Dict[str, LazyTensor]:
+    """Tensors of an HF folder, a safetensors file or a ``.ckpt``, as lazy fp32/fp16 tensors."""
+    if os.path.isdir(path):
+        return {k: _from_safetensors(f, k) for k, f in open_checkpoint(path).items()}
+    if path.endswith(".safetensors"):
+        f = SafetensorsFile(path)
+        return {k: _from_safetensors(f, k) for k in f.keys()}
+    if path.endswith(".ckpt"):
+        import mindspore as ms
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: checkpoint file not found")
+        try:
+            params = ms.load_checkpoint(path)
+        except (RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({str(e).splitlines()[0]})") from None
+        arrays = {k: (p.astype(ms.float32) if p.dtype == ms.bfloat16 else p).asnumpy() for k, p in params.items()}
+        return {k: LazyTensor(a.shape, a.dtype, partial(lambda x: x, a)) for k, a in arrays.items()}
+    raise CheckpointError(f"{path}: expected an HF folder, a .safetensors file or a .ckpt")
+
+
+def _from_safetensors(f: SafetensorsFile, key: str) -> LazyTensor:
+    stored = np.float16 if f.dtype(key) == "F16" else np.float32
+    return LazyTensor(f.shape(key), np.dtype(stored), partial(f.get, key, stored))
+
+
+def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Optional[str] = None,
+            dtype: Optional[str] = None, qkv: Optional[str] = None, mlp: Optional[str] = None,
+            max_shard_size: str = "5GB") -> None:
+    """Convert ``source`` (``src_fmt``) into ``target`` (``dst_fmt``).
+
+    Args:
+        config: HF folder or config.json describing the model (default: ``source`` when it is an
+            HF folder).
+        dtype: stored dtype: fp32 | fp16 | bf16 (default: as read).
+        qkv, mlp: fused layout of q/k/v and gate/up in a mindformers format, on either side:
+            contiguous | interleaved | None (not fused).
+    """
+    for name, fmt in (("--from", src_fmt), ("--to", dst_fmt)):
+        if fmt not in FORMATS:
+            raise ValueError(f"{name} {fmt!r}: unknown format; known: {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPE_ALIASES:
+        raise ValueError(f"--dtype must be fp32, fp16 or bf16, got {dtype!r}")
+    cfg = _config(source if config is None else config)
+    rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+    state = read_state(source)
+    if src_fmt in MAPS:
+        state = from_format(state, src_fmt, cfg.num_key_value_heads, rows, qkv, mlp)
+    state = {k: state[k] for k in sanitize(list(state), cfg)}
+    check_against_config(state, cfg, source)
+    store = DTYPE_ALIASES[dtype] if dtype else None
+    if store:
+        state = {k: _cast(t, store) for k, t in state.items()}
+    if dst_fmt in ("hf", "mindqwen"):
+        save_tensors(target, state, cfg.to_hf(), store, max_shard_size)
+        return
+    if dst_fmt in MAPS:
+        state = to_format(state, dst_fmt, cfg.num_key_value_heads, qkv, mlp)
+    _write_file(target, state, store == "bfloat16")
+
+
+def _config(path: str) -> QwenConfig:
+    if path.endswith(".json") or os.path.isfile(os.path.join(path, "config.json")):
+        return QwenConfig.from_hf(path)
+    raise ValueError(f"{path}: no config.json; give --config <HF folder or config.json>")
+
+
+def check_against_config(state: Dict[str, LazyTensor], cfg: QwenConfig, source: str) -> None:
+    """Every parameter of the model ``cfg`` describes is present with its shape, and nothing else."""
+    from mindqwen.models.qwen import QwenForCausalLM
+    with no_init_parameters():
+        expected = {p.name: tuple(p.shape) for p in QwenForCausalLM(cfg).get_parameters()}
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{source}: missing {missing[:6]}{' …' if len(missing) > 6 else ''}; "
+                              f"unexpected {extra[:6]}{' …' if len(extra) > 6 else ''}")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != shape:
+            raise CheckpointError(f"{source}: tensor {k} has shape {list(state[k].shape)}, the config implies {list(shape)}")
+
+
+def _cast(t: LazyTensor, store: str) -> LazyTensor:
+    np_dtype = np.dtype(DTYPES[store][1])  # bf16 is written from fp32 (rounded to nearest even)
+    return LazyTensor(t.shape, np_dtype, lambda: t.load().astype(np_dtype))
+
+
+def _write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
+    """A .safetensors file (streamed) or a MindSpore .ckpt, written to a temp name and renamed."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.endswith(".safetensors"):
+        save_file(state, path, bf16=bf16)
+        return
+    if not path.endswith(".ckpt"):
+        raise ValueError(f"{path}: write a .ckpt or .safetensors file (or use --to hf for a folder)")
+    import mindspore as ms
+    tmp = f"{path}.tmp-{os.getpid()}.ckpt"
+    try:
+        tensors = [{"name": k, "data": ms.Tensor(t.load())} for k, t in state.items()]
+        if bf16:
+            tensors = [{"name": d["name"], "data": d["data"].astype(ms.bfloat16)} for d in tensors]
+        ms.save_checkpoint(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
