@@ -150,15 +150,27 @@ def cmd_convert(argv: List[str]) -> None:
 
 
 def cmd_merge(argv: List[str]) -> None:
-    """Merge a PEFT LoRA adapter into its base model and save an HF folder."""
+    """Merge a PEFT LoRA adapter into its base model (any supported format) and save an HF folder."""
     p = _parser(cmd_merge, "mindqwen merge tests/fixtures/qwen2_tiny/base tests/fixtures/qwen2_tiny/lora_adapter "
-                           "out/merged")
-    p.add_argument("model", help="base HF folder")
-    p.add_argument("adapter", help="PEFT adapter folder")
+                           "out/merged\n  mindqwen merge base.ckpt adapter/ out/merged --from mindformers "
+                           "--config path/to/hf_folder")
+    p.add_argument("model", help="base checkpoint: HF folder, .ckpt or .safetensors")
+    p.add_argument("adapter", help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("output", help="HF folder to write")
+    p.add_argument("--from", dest="src", default=None,
+                   choices=["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"],
+                   help="base format (default: hf for a folder, else ms-ckpt)")
+    p.add_argument("--config", help="HF folder or config.json (needed unless the base is an HF folder)")
+    p.add_argument("--qkv", choices=["contiguous", "interleaved"], help="mindformers base: fused q/k/v layout")
+    p.add_argument("--mlp", choices=["contiguous", "interleaved"], help="mindformers base: fused gate/up layout")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="stored dtype (default: as computed, fp32)")
     args = p.parse_args(argv)
-    from mindqwen import merge_and_unload
-    merge_and_unload(_load_model(args.model, args.adapter)).save_pretrained(args.output)
+    from mindqwen import load_adapter, merge_and_unload
+    from mindqwen.io.convert import DTYPE_ALIASES, load_model
+    src = args.src or ("hf" if os.path.isdir(args.model) else "ms-ckpt")
+    model = load_model(args.model, src, args.config, args.qkv, args.mlp)
+    merged = merge_and_unload(load_adapter(model, args.adapter))
+    merged.save_pretrained(args.output, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None)
     print(f"wrote {args.output}")
 
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import fixture_path, reference
 from mindqwen import from_pretrained
 from mindqwen.cli import COMMANDS
+from mindqwen.io.safetensors import SafetensorsFile
 
 
 def cli(*args, check=True):
@@ -66,12 +67,23 @@ def test_convert_round_trip_keeps_hf_logits(tmp_path):
     assert r.returncode == 1 and "needs --config" in r.stderr
 
 
-def test_merge_matches_peft_merged_logits(tmp_path):
+def test_merge_matches_peft_merged_weights_and_logits(tmp_path):
     out = tmp_path / "merged"
     cli("merge", fixture_path("qwen2_tiny", "base"), fixture_path("qwen2_tiny", "lora_adapter"), str(out))
+    ours, peft = SafetensorsFile(str(out / "model.safetensors")), SafetensorsFile(fixture_path("qwen2_tiny", "merged", "model.safetensors"))
+    assert set(ours.keys()) == set(peft.keys())
+    worst = max(np.abs(ours.get(k) - peft.get(k)).max() for k in peft.keys())
+    print(f"merged weights vs PEFT's merge_and_unload: max |Δ| = {worst:.1e}")
+    assert worst <= 1e-6
     ref = reference("qwen2_tiny")
     logits = from_pretrained(str(out))(ms.Tensor(ref["input_ids"].astype(np.int32))).asnumpy()
     np.testing.assert_allclose(logits, ref["logits_merged"], atol=5e-5)
+    # the same base as a MindSpore .ckpt (any supported format merges)
+    cli("convert", fixture_path("qwen2_tiny", "base"), str(tmp_path / "base.ckpt"))
+    cli("merge", str(tmp_path / "base.ckpt"), fixture_path("qwen2_tiny", "lora_adapter"), str(tmp_path / "m2"),
+        "--config", fixture_path("qwen2_tiny", "base"))
+    again = SafetensorsFile(str(tmp_path / "m2" / "model.safetensors"))
+    assert all(np.array_equal(again.get(k), ours.get(k)) for k in peft.keys())
 
 
 def test_preprocess_rows_equal_sentencepiece_encoding(tmp_path):

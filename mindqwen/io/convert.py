@@ -131,3 +131,24 @@ def _write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def load_model(source: str, fmt: str = "hf", config: Optional[str] = None, qkv: Optional[str] = None,
+               mlp: Optional[str] = None):
+    """A ``QwenForCausalLM`` from a checkpoint in any supported format (checked like ``convert``)."""
+    import mindspore as ms
+    from mindqwen.models.qwen import QwenForCausalLM
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
+    cfg = _config(source if config is None else config)
+    state = read_state(source)
+    if fmt in MAPS:
+        rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
+        state = from_format(state, fmt, cfg.num_key_value_heads, rows, qkv, mlp)
+    state = {k: state[k] for k in sanitize(list(state), cfg)}
+    check_against_config(state, cfg, source)
+    with no_init_parameters():
+        model = QwenForCausalLM(cfg)
+    for p in model.get_parameters():
+        p.set_data(ms.Tensor(state[p.name].load()).astype(p.dtype))
+    return model
