@@ -1,6 +1,7 @@
 """Inspect a checkpoint: keys, shapes, dtypes, and parameter counts by group.
 
     python ckpt_tools/inspect_ckpt.py PATH  (not inspect.py: that would shadow the stdlib module) [--keys]
+    python ckpt_tools/inspect_ckpt.py A --diff B      per-tensor max |Δ|, missing and extra keys
 
 PATH is an HF folder (single file or sharded), a ``.safetensors`` file (model, adapter or
 mindqwen training checkpoint), or a folder holding ``adapter_model.safetensors``.
@@ -10,6 +11,8 @@ import os
 import re
 import sys
 from collections import defaultdict
+
+import numpy as np
 
 from mindqwen.io.hf import open_checkpoint
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile
@@ -36,9 +39,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path")
     ap.add_argument("--keys", action="store_true", help="list every tensor")
+    ap.add_argument("--diff", metavar="OTHER", help="compare with another checkpoint, tensor by tensor")
     args = ap.parse_args(argv)
     try:
         found = tensors(args.path)
+        if args.diff:
+            return diff(found, tensors(args.diff), args.path, args.diff)
     except CheckpointError as e:
         print(f"inspect: error: {e}", file=sys.stderr)
         return 1
@@ -58,6 +64,29 @@ def main(argv=None) -> int:
     print(f"{len(found)} tensors, {total:,d} parameters; dtypes: "
           + ", ".join(f"{d} {n:,d}" for d, n in sorted(dtypes.items())))
     return 0
+
+
+def diff(a: dict, b: dict, name_a: str, name_b: str) -> int:
+    """Per-tensor max |Δ| (in fp32) of shared keys; missing / extra keys. Exit 0 only if identical."""
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    worst, differing = 0.0, 0
+    for key in sorted(set(a) & set(b)):
+        if tuple(a[key].shape(key)) != tuple(b[key].shape(key)):
+            print(f"{key:70s} shape {list(a[key].shape(key))} vs {list(b[key].shape(key))}")
+            differing += 1
+            continue
+        d = float(np.abs(a[key].get(key) - b[key].get(key)).max()) if a[key].shape(key) else 0.0
+        if d > 0:
+            print(f"{key:70s} max |Δ| {d:.3e}")
+            differing += 1
+        worst = max(worst, d)
+    for key in only_a:
+        print(f"{key:70s} only in {name_a}")
+    for key in only_b:
+        print(f"{key:70s} only in {name_b}")
+    print(f"{len(set(a) & set(b))} shared tensors, {differing} differ (max |Δ| {worst:.3e}); "
+          f"{len(only_a)} only in {name_a}, {len(only_b)} only in {name_b}")
+    return 0 if not (differing or only_a or only_b) else 2
 
 
 if __name__ == "__main__":

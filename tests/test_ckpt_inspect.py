@@ -24,3 +24,16 @@ def test_inspect_counts_parameters():
 def test_inspect_bad_path_is_one_line():
     r = subprocess.run([sys.executable, TOOL, "no/such"], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip() == "inspect: error: no/such: checkpoint folder not found"
+
+
+def test_diff_reports_max_abs_difference_and_key_sets():
+    same = subprocess.run([sys.executable, TOOL, fixture_path("qwen2_tiny", "base"), "--diff",
+                           fixture_path("qwen2_tiny", "base")], capture_output=True, text=True)
+    assert same.returncode == 0 and "0 differ (max |Δ| 0.000e+00); 0 only in" in same.stdout
+    r = subprocess.run([sys.executable, TOOL, fixture_path("qwen2_tiny", "base"), "--diff",
+                        fixture_path("qwen2_tiny", "merged")], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    # PEFT's merge changes exactly the LoRA targets (q_proj, v_proj weights of both layers)
+    changed = [line.split()[0] for line in r.stdout.splitlines() if "max |Δ|" in line and not line.startswith(" ")
+               and "shared tensors" not in line]
+    assert sorted(changed) == sorted(f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv")

@@ -109,7 +109,7 @@ def check_against_config(state: Dict[str, LazyTensor], cfg: QwenConfig, source: 
 
 def _cast(t: LazyTensor, store: str) -> LazyTensor:
     np_dtype = np.dtype(DTYPES[store][1])  # bf16 is written from fp32 (rounded to nearest even)
-    return LazyTensor(t.shape, np_dtype, lambda: t.load().astype(np_dtype))
+    return LazyTensor(t.shape, np_dtype, lambda: t.load().astype(np_dtype, copy=False))
 
 
 def _write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:

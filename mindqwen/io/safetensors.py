@@ -27,9 +27,14 @@ class CheckpointError(ValueError):
     """A checkpoint file or folder that cannot be read or does not fit the model."""
 
 
+_BF16_SLICE = 1 << 22  # elements rounded at a time when writing bf16 (16 MB of fp32)
+
+
 def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
     """Raw bf16 bits (uint16) → float32, exactly."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = bits.astype(np.uint32)
+    wide <<= 16  # in place: one fp32-sized buffer, not two
+    return wide.view(np.float32)
 
 
 def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -146,10 +151,13 @@ def save_file(tensors: Mapping[str, Union[np.ndarray, LazyTensor]], path: str,
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for name, t in tensors.items():
-                arr = t.load() if isinstance(t, LazyTensor) else t
-                if header[name]["dtype"] == "BF16":
-                    arr = fp32_to_bf16_bits(arr)
-                f.write(np.ascontiguousarray(arr).tobytes())
+                arr = np.ascontiguousarray(t.load() if isinstance(t, LazyTensor) else t)
+                if header[name]["dtype"] == "BF16":  # rounded in slices: no full-size temporaries
+                    flat = arr.reshape(-1)
+                    for i in range(0, flat.size, _BF16_SLICE):
+                        f.write(memoryview(fp32_to_bf16_bits(flat[i:i + _BF16_SLICE])).cast("B"))
+                else:
+                    f.write(memoryview(arr).cast("B"))  # no bytes copy of the tensor
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
