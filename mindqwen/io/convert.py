@@ -84,7 +84,7 @@ def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Option
         return
     if dst_fmt in MAPS:
         state = to_format(state, dst_fmt, cfg.num_key_value_heads, qkv, mlp)
-    _write_file(target, state, store == "bfloat16")
+    write_file(target, state, store == "bfloat16")
 
 
 def _config(path: str) -> QwenConfig:
@@ -112,7 +112,7 @@ def _cast(t: LazyTensor, store: str) -> LazyTensor:
     return LazyTensor(t.shape, np_dtype, lambda: t.load().astype(np_dtype, copy=False))
 
 
-def _write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
+def write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
     """A .safetensors file (streamed) or a MindSpore .ckpt, written to a temp name and renamed."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".safetensors"):
