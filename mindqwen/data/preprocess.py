@@ -214,14 +214,13 @@ def _read_lines(inputs: Sequence[str]) -> List[Tuple[str, str]]:
 
 
 def _map(chunks, init, workers: int):
+    """Encoded chunks in input order, as they finish (the progress bar moves while workers run)."""
     if workers == 1:
         _init_worker(*init)
-        return (_encode_chunk(c) for c in chunks)
-    pool = get_context("spawn").Pool(workers, _init_worker, init)
-    try:
-        return list(pool.imap(_encode_chunk, chunks))  # imap keeps input order
-    finally:
-        pool.close()
+        yield from (_encode_chunk(c) for c in chunks)
+        return
+    with get_context("spawn").Pool(workers, _init_worker, init) as pool:  # terminated on exit or error
+        yield from pool.imap(_encode_chunk, chunks)  # imap keeps input order
 
 
 def _write(output: str, ids: np.ndarray, labels: np.ndarray, manifest: dict) -> None:
