@@ -121,6 +121,28 @@ def cmd_export(argv: List[str]) -> None:
     print(f"wrote {args.output}; exported graph vs eager: max |Δlogit| = {diff:.1e}")
 
 
+FORMATS = ["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"]
+
+
+def _add_source_format(p: argparse.ArgumentParser) -> None:
+    """--from / --config / --qkv / --mlp: how to read a checkpoint that is not an HF folder."""
+    p.add_argument("--from", dest="src", choices=FORMATS, help="source format (default: hf for a folder, else ms-ckpt)")
+    p.add_argument("--config", help="HF folder or config.json of the model (needed unless the source is an HF folder)")
+    p.add_argument("--qkv", choices=["contiguous", "interleaved"], help="mindformers side: fused q/k/v layout")
+    p.add_argument("--mlp", choices=["contiguous", "interleaved"], help="mindformers side: fused gate/up layout")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="stored dtype (default: as read)")
+
+
+def _source_format(args, source: str) -> str:
+    """The source format, defaulted; fills --config from an HF folder source."""
+    src = args.src or ("hf" if os.path.isdir(source) else "ms-ckpt")
+    if args.config is None and src in ("hf", "mindqwen") and os.path.isdir(source):
+        args.config = source
+    if args.config is None:
+        raise ValueError(f"reading {source} ({src}) needs --config (the HF folder or config.json it belongs to)")
+    return src
+
+
 def cmd_convert(argv: List[str]) -> None:
     """Convert checkpoints between HF, MindSpore .ckpt and mindformers (legacy, Mcore) namings."""
     p = _parser(cmd_convert, "mindqwen convert tests/fixtures/qwen2_tiny/base out/model.ckpt --to ms-ckpt\n"
@@ -128,23 +150,13 @@ def cmd_convert(argv: List[str]) -> None:
                              "--config tests/fixtures/qwen2_tiny/base --dtype bf16")
     p.add_argument("source", help="HF folder, .safetensors or .ckpt")
     p.add_argument("target", help="HF folder (--to hf), or a .ckpt / .safetensors file")
-    p.add_argument("--from", dest="src", choices=["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"],
-                   help="source format (default: hf for a folder, else ms-ckpt)")
-    p.add_argument("--to", dest="dst", choices=["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"],
-                   help="target format (default: ms-ckpt for a .ckpt target, else hf)")
-    p.add_argument("--config", help="HF folder or config.json of the model (needed unless the source is an HF folder)")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="stored dtype (default: as read)")
-    p.add_argument("--qkv", choices=["contiguous", "interleaved"], help="mindformers side: fused q/k/v layout")
-    p.add_argument("--mlp", choices=["contiguous", "interleaved"], help="mindformers side: fused gate/up layout")
+    p.add_argument("--to", dest="dst", choices=FORMATS, help="target format (default: ms-ckpt for a .ckpt target, else hf)")
+    _add_source_format(p)
     p.add_argument("--max-shard-size", default="5GB", help="HF output: shard above this size")
     args = p.parse_args(argv)
     from mindqwen.io.convert import convert
-    src = args.src or ("hf" if os.path.isdir(args.source) else "ms-ckpt")
+    src = _source_format(args, args.source)
     dst = args.dst or ("ms-ckpt" if args.target.endswith(".ckpt") else "hf")
-    if src == "hf" and os.path.isdir(args.source) and args.config is None:
-        args.config = args.source
-    if args.config is None:
-        raise ValueError(f"converting from {src} needs --config (the HF folder or config.json it belongs to)")
     convert(args.source, args.target, src, dst, args.config, args.dtype, args.qkv, args.mlp, args.max_shard_size)
     print(f"wrote {args.target} ({dst})")
 
@@ -157,18 +169,11 @@ def cmd_merge(argv: List[str]) -> None:
     p.add_argument("model", help="base checkpoint: HF folder, .ckpt or .safetensors")
     p.add_argument("adapter", help="PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("output", help="HF folder to write")
-    p.add_argument("--from", dest="src", default=None,
-                   choices=["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"],
-                   help="base format (default: hf for a folder, else ms-ckpt)")
-    p.add_argument("--config", help="HF folder or config.json (needed unless the base is an HF folder)")
-    p.add_argument("--qkv", choices=["contiguous", "interleaved"], help="mindformers base: fused q/k/v layout")
-    p.add_argument("--mlp", choices=["contiguous", "interleaved"], help="mindformers base: fused gate/up layout")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="stored dtype (default: as computed, fp32)")
+    _add_source_format(p)
     args = p.parse_args(argv)
     from mindqwen import load_adapter, merge_and_unload
     from mindqwen.io.convert import DTYPE_ALIASES, load_model
-    src = args.src or ("hf" if os.path.isdir(args.model) else "ms-ckpt")
-    model = load_model(args.model, src, args.config, args.qkv, args.mlp)
+    model = load_model(args.model, _source_format(args, args.model), args.config, args.qkv, args.mlp)
     merged = merge_and_unload(load_adapter(model, args.adapter))
     merged.save_pretrained(args.output, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None)
     print(f"wrote {args.output}")

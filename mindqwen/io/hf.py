@@ -106,31 +106,6 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True) -> Tuple[L
     return missing, unexpected
 
 
-def load_checkpoint_file(model: ms.nn.Cell, path: str) -> None:
-    """Load a MindSpore ``.ckpt`` (HF parameter names) into ``model``, checking keys and shapes.
-
-    Raises:
-        CheckpointError: naming the file and the key(s).
-    """
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: checkpoint file not found")
-    try:
-        state = ms.load_checkpoint(path)
-    except (RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({str(e).splitlines()[0]})") from None
-    names = sanitize(list(state), model.config)
-    params = {p.name: p for p in model.get_parameters()}
-    missing = sorted(set(params) - set(names))
-    unexpected = sorted(set(names) - set(params))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: missing keys {_short(missing)}; unexpected keys {_short(unexpected)}")
-    for name, p in params.items():
-        if tuple(state[name].shape) != tuple(p.shape):
-            raise CheckpointError(f"{path}: tensor {name} has shape {list(state[name].shape)}, "
-                                  f"the model expects {list(p.shape)}")
-        p.set_data(state[name].astype(p.dtype))
-
-
 def from_pretrained(folder: str, dtype: str = "float32") -> QwenForCausalLM:
     """Build a ``QwenForCausalLM`` from an HF folder (config.json + safetensors).
 
