@@ -15,11 +15,29 @@ import sys
 
 from mindqwen.config import QwenConfig
 from mindqwen.io.adapters import mindformers_to_peft, peft_to_mindformers
-from mindqwen.io.convert import write_file, read_state
-from mindqwen.io.safetensors import save_file
+from mindqwen.io.safetensors import SafetensorsFile, save_file
 from mindqwen.models.hf_keys import lazy, part_rows
 
 TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def read(path: str) -> dict:
+    """Adapter tensors of a .safetensors file (no MindSpore needed) or a .ckpt."""
+    if path.endswith(".ckpt"):
+        from mindqwen.io.convert import read_state
+        return {k: t.load() for k, t in read_state(path).items()}
+    f = SafetensorsFile(path)
+    return {k: f.get(k) for k in f.keys()}
+
+
+def write(path: str, tensors: dict) -> None:
+    if path.endswith(".ckpt"):
+        from mindqwen.io.convert import write_file
+        write_file(path, lazy(tensors), False)
+    elif path.endswith(".safetensors"):
+        save_file(tensors, path)
+    else:
+        raise ValueError(f"{path}: write a .safetensors or .ckpt file")
 
 
 def main(argv=None) -> int:
@@ -36,15 +54,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.src == "peft" and args.dst == "mindformers":
-            state = read_state(os.path.join(args.source, "adapter_model.safetensors"))
-            write_file(args.target, lazy(peft_to_mindformers({k: t.load() for k, t in state.items()})), False)
+            write(args.target, peft_to_mindformers(read(os.path.join(args.source, "adapter_model.safetensors"))))
         elif args.src != "peft" and args.dst == "peft":
             if not (args.config and args.r and args.lora_alpha):
                 raise ValueError("a mindformers adapter needs --config, --r and --lora-alpha")
             cfg = QwenConfig.from_hf(args.config)
             rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-            state = {k: t.load() for k, t in read_state(args.source).items()}
-            peft = mindformers_to_peft(state, args.src, cfg.num_key_value_heads, rows, args.qkv, args.mlp)
+            peft = mindformers_to_peft(read(args.source), args.src, cfg.num_key_value_heads, rows, args.qkv, args.mlp)
             targets = sorted({k.split(".")[-3] for k in peft} & TARGETS)
             os.makedirs(args.target, exist_ok=False)
             save_file(peft, os.path.join(args.target, "adapter_model.safetensors"))
