@@ -49,7 +49,7 @@ def cmd_eval(argv: List[str]) -> None:
                           "--data outputs/demo/data/eval.jsonl --tokenizer outputs/demo/data/tokenizer.model")
     p.add_argument("model", help="HF folder")
     p.add_argument("--adapter", help="PEFT adapter folder to load on top")
-    p.add_argument("--data", required=True, help=".jsonl prompt/response pairs, or .npy token rows")
+    p.add_argument("--data", required=True, help=".jsonl prompt/response pairs, .npy token rows, or a `mindqwen preprocess` folder")
     p.add_argument("--tokenizer", help="SentencePiece .model (for .jsonl)")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
