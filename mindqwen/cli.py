@@ -71,19 +71,26 @@ def cmd_eval(argv: List[str]) -> None:
 
 
 def cmd_generate(argv: List[str]) -> None:
-    """Greedy generation from an HF folder (optionally with a LoRA adapter)."""
+    """Generate from an HF folder with the KV cache (optionally with a LoRA adapter), streaming."""
     p = _parser(cmd_generate, "mindqwen generate tests/fixtures/qwen2_tiny/base --input-ids 483,320,350 "
                               "--max-new-tokens 16")
     p.add_argument("model", help="HF folder: config.json + model.safetensors")
     p.add_argument("--adapter", help="PEFT adapter folder to load on top")
     p.add_argument("--input-ids", help="comma-separated prompt token ids")
     p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
-    p.add_argument("--tokenizer", help="SentencePiece .model")
+    p.add_argument("--tokenizer", help="SentencePiece .model, tokenizer folder or qwen.tiktoken")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs --tokenizer)")
+    p.add_argument("--seed", type=int, help="sampling seed")
     args = p.parse_args(argv)
-    from mindqwen.data.tokenizer import SentencePieceTokenizer
-    from mindqwen.generate import generate
-    tokenizer = SentencePieceTokenizer(args.tokenizer) if args.tokenizer else None
+    from mindqwen.data.preprocess import load_tokenizer
+    from mindqwen.generate import GenerationConfig, Generator
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError("--prompt needs --tokenizer (or give --input-ids)")
@@ -95,11 +102,18 @@ def cmd_generate(argv: List[str]) -> None:
             raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
     else:
         raise ValueError("give --prompt (with --tokenizer) or --input-ids")
-    model = _load_model(args.model, args.adapter)
-    eos = tokenizer.eos_token_id if tokenizer else None
-    new = generate(model, [prompt], args.max_new_tokens, eos, progress=True)[0, len(prompt):].tolist()
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, stop_strings=args.stop,
+                              eos_token_id=tokenizer.eos_token_id if tokenizer else None, seed=args.seed)
+    generator = Generator(_load_model(args.model, args.adapter), tokenizer)
     print("prompt:   ", args.prompt if args.prompt is not None else prompt)
-    print("generated:", tokenizer.decode([t for t in new if t != eos]) if tokenizer else new)
+    if tokenizer is None:
+        print("generated:", generator.run([prompt], config, progress=True)[0].tokens)
+        return
+    print("generated: ", end="", flush=True)
+    row = generator.run([prompt], config, on_token=lambda _r, _t, text: print(text, end="", flush=True))[0]
+    print(f"\n({len(row.tokens)} tokens, finish reason: {row.finish_reason})")
 
 
 def cmd_export(argv: List[str]) -> None:

@@ -1,32 +1,24 @@
 """Exact-match accuracy of greedy answers on held-out prompt/response pairs."""
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import List, Sequence, Tuple
 
-import numpy as np
-
-from mindqwen.generate import generate
+from mindqwen.generate import GenerationConfig, Generator
 
 Pair = Tuple[str, str]
 
 
-def answer(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 16) -> List[str]:
-    """Greedy answers, decoded up to the first EOS. Prompts of equal token length share a batch
-    (no padding needed, and one compiled shape per length)."""
+def answer(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 16,
+           batch_size: int = 64) -> List[str]:
+    """Greedy answers, decoded up to the first EOS; prompts are left-padded into batches."""
     encoded = [tokenizer.encode(p) for p in prompts]
-    groups = defaultdict(list)
-    for i, ids in enumerate(encoded):
-        groups[len(ids)].append(i)
-    answers = [""] * len(prompts)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    generator = Generator(model)
     was_training = model.training
-    model.set_train(False)
-    for length, rows in groups.items():
-        out = generate(model, np.array([encoded[i] for i in rows]), max_new_tokens, tokenizer.eos_token_id)
-        for i, new in zip(rows, out[:, length:].tolist()):
-            if tokenizer.eos_token_id in new:
-                new = new[:new.index(tokenizer.eos_token_id)]
-            answers[i] = tokenizer.decode(new)
+    answers: List[str] = []
+    for start in range(0, len(encoded), batch_size):
+        for row in generator.run(encoded[start:start + batch_size], config):
+            answers.append(tokenizer.decode([t for t in row.tokens if t != tokenizer.eos_token_id]))
     model.set_train(was_training)
     return answers
 

@@ -1,39 +1,363 @@
-"""Text generation.
+"""Text generation with a static-shape KV cache: one prefill graph, one T=1 decode graph.
 
-Greedy decoding by full recomputation: each new token re-runs the whole sequence. Correct
-and simple; a static-shape KV cache with prefill/decode graphs is the planned fast path.
+``generate(model, input_ids, max_new_tokens=…, do_sample=False, …)`` is the public entry and,
+like HF, returns the prompt followed by the new tokens, [B, S+N] int32. ``Generator`` keeps the
+compiled graphs between calls and returns per-row text and finish reasons (the server uses it).
+
+Token choice happens on the host in numpy, in HF's order: repetition penalty → temperature →
+top-k → top-p → greedy argmax or a draw. The graphs compile once per (batch, cache length):
+prefill with a dynamic sequence axis, decode with static shapes (a dynamic decode graph runs
+~4× slower on CPU). The cache length is the prompt plus ``max_new_tokens`` rounded up to
+``CACHE_BLOCK``, so nearby requests share graphs.
 """
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
 import mindspore as ms
 import numpy as np
+from mindspore import Tensor
 from tqdm import tqdm
 
-from mindqwen.models.qwen import QwenForCausalLM
+from mindqwen.models.kv_cache import CachedStep, CacheLayout, model_dtype
+
+CACHE_BLOCK = 64
+FILTER_ACTIONS = ("drop", "mask", "stop")
+# on_token(row, token_id, text_delta): text_delta is "" without a tokenizer or while a
+# character (or a possible blocked pattern) is incomplete.
+TokenCallback = Callable[[int, int, str], None]
 
 
-def generate(model: QwenForCausalLM, input_ids, max_new_tokens: int = 32,
-             eos_token_id=None, progress: bool = False) -> np.ndarray:
-    """Greedy continuation of ``input_ids`` [B, S]; returns prompt + new tokens [B, S+N] int32.
+@dataclass
+class GenerationConfig:
+    """How to choose tokens and when to stop (HF ``generate`` semantics).
 
-    Rows stop growing after ``eos_token_id`` (they are padded with it) and generation ends
-    when every row has stopped.
+    Attributes:
+        max_new_tokens: tokens to add at most.
+        do_sample: draw from the distribution instead of taking the argmax.
+        temperature, top_k, top_p: sampling warpers (``top_k`` 0 and ``top_p`` 1.0 are off).
+        repetition_penalty: > 1 discourages tokens already in the row (prompt included), as in
+            CTRL: positive scores are divided by it, negative ones multiplied.
+        eos_token_id: id or ids that end a row (kept in the output, like HF).
+        stop_strings: a row ends once its generated text contains one (needs a tokenizer).
+        pad_token_id: fills finished rows (default: the first eos id, else 0).
+        seed: seeds the sampler; None draws fresh entropy.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    ids = np.asarray(input_ids.asnumpy() if isinstance(input_ids, ms.Tensor) else input_ids,
-                     dtype=np.int32)
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    eos_token_id: Optional[Union[int, Sequence[int]]] = None
+    stop_strings: Sequence[str] = ()
+    pad_token_id: Optional[int] = None
+    seed: Optional[int] = None
+    eos_ids: Tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if isinstance(self.stop_strings, str):
+            self.stop_strings = (self.stop_strings,)
+        eos = self.eos_token_id
+        self.eos_ids = () if eos is None else tuple(int(e) for e in np.atleast_1d(eos))
+        if self.pad_token_id is None:
+            self.pad_token_id = self.eos_ids[0] if self.eos_ids else 0
+
+
+def process_logits(logits: np.ndarray, seen: np.ndarray, config: GenerationConfig) -> np.ndarray:
+    """HF's logits processors for one row: logits (V,) fp32, seen = ids already in the row.
+
+    Returns scores where removed tokens are -inf.
+    """
+    scores = logits.astype(np.float32, copy=True)
+    if config.repetition_penalty != 1.0 and len(seen):
+        ids = np.unique(seen)
+        s = scores[ids]
+        scores[ids] = np.where(s < 0, s * config.repetition_penalty, s / config.repetition_penalty)
+    if not config.do_sample:
+        return scores
+    scores = scores / np.float32(config.temperature)
+    if 0 < config.top_k < scores.size:
+        kth = np.partition(scores, -config.top_k)[-config.top_k]
+        scores[scores < kth] = -np.inf
+    if config.top_p < 1.0:
+        order = np.argsort(scores, kind="stable")  # ascending, as HF's TopPLogitsWarper
+        probs = softmax(scores[order])
+        remove = np.cumsum(probs) <= 1 - config.top_p
+        remove[-1] = False  # keep at least the most likely token
+        scores[order[remove]] = -np.inf
+    return scores
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    e = np.exp(scores - scores.max())
+    return e / e.sum()
+
+
+def choose_token(scores: np.ndarray, config: GenerationConfig, rng: np.random.Generator) -> int:
+    """The argmax (greedy) or a draw from softmax(scores)."""
+    if not config.do_sample:
+        return int(np.argmax(scores))
+    probs = softmax(scores.astype(np.float64))
+    return int(rng.choice(probs.size, p=probs))
+
+
+class OutputFilter:
+    """A block-list applied to generated text: literal strings or ``re:``-prefixed patterns.
+
+    Actions: ``mask`` replaces each match with ``*`` of its length, ``drop`` removes it,
+    ``stop`` ends the row and cuts the text before the match (finish reason ``content_filter``).
+    While streaming, the last ``holdback`` characters are held until they cannot start a match.
+
+    Args:
+        block: strings to block; ``re:<pattern>`` is a regular expression (case-sensitive).
+        action: drop | mask | stop.
+        holdback: characters held back while streaming; default the longest literal, or 64
+            when patterns are present.
+    """
+
+    def __init__(self, block: Sequence[str], action: str = "mask", holdback: Optional[int] = None):
+        if action not in FILTER_ACTIONS:
+            raise ValueError(f"output filter action must be one of {FILTER_ACTIONS}, got {action!r}")
+        if isinstance(block, str) or not all(isinstance(b, str) and b for b in block):
+            raise ValueError(f"output filter block must be a list of non-empty strings, got {block!r}")
+        parts = []
+        for b in block:
+            try:
+                parts.append(re.compile(b[3:]).pattern if b.startswith("re:") else re.escape(b))
+            except re.error as e:
+                raise ValueError(f"output filter pattern {b!r}: {e}") from None
+        self.regex = re.compile("|".join(f"(?:{p})" for p in parts)) if parts else None
+        self.action = action
+        literal = [len(b) for b in block if not b.startswith("re:")]
+        self.holdback = holdback if holdback is not None else (
+            64 if len(literal) < len(block) else max(literal, default=1) - 1)
+
+    def apply(self, text: str) -> Tuple[str, bool]:
+        """Filtered text, and whether a match ends the row (action ``stop``)."""
+        if self.regex is None:
+            return text, False
+        if self.action == "stop":
+            m = self.regex.search(text)
+            return (text[:m.start()], True) if m else (text, False)
+        repl = "" if self.action == "drop" else (lambda m: "*" * len(m.group(0)))
+        return self.regex.sub(repl, text), False
+
+
+@dataclass
+class RowResult:
+    """One row's generation: new token ids, their text (filtered) and why it ended
+    (``stop`` eos/stop string, ``length`` max_new_tokens, ``content_filter`` a blocked string)."""
+
+    tokens: List[int]
+    text: Optional[str]
+    finish_reason: str
+
+
+class _Row:
+    """Host-side state of one row while generating."""
+
+    def __init__(self, prompt: np.ndarray, config: GenerationConfig, tokenizer, output_filter):
+        self.config, self.tokenizer, self.filter = config, tokenizer, output_filter
+        self.rng = np.random.default_rng(config.seed)
+        self.seen = list(prompt)
+        self.tokens: List[int] = []
+        self.finish: Optional[str] = None
+        self.text, self.emitted = "", 0
+
+    def step(self, logits: np.ndarray) -> Tuple[int, str]:
+        """Choose the next token; returns it and the newly final text."""
+        tok = choose_token(process_logits(logits, np.asarray(self.seen), self.config), self.config, self.rng)
+        self.tokens.append(tok)
+        self.seen.append(tok)
+        delta = self._update_text() if self.tokenizer is not None else ""
+        if self.finish is None and tok in self.config.eos_ids:
+            self.finish = "stop"
+        elif self.finish is None and len(self.tokens) >= self.config.max_new_tokens:
+            self.finish = "length"
+        if self.finish is not None and self.tokenizer is not None:
+            delta += self._flush()
+        return tok, delta
+
+    def _update_text(self) -> str:
+        raw = self.tokenizer.decode([t for t in self.tokens if t not in self.config.eos_ids])
+        for s in self.config.stop_strings:
+            at = raw.find(s)
+            if at >= 0:
+                raw, self.finish = raw[:at + len(s)], "stop"
+        if self.filter is not None:
+            raw, blocked = self.filter.apply(raw)
+            if blocked:
+                self.finish = "content_filter"
+        self.text = raw
+        hold = 0 if self.finish else (self.filter.holdback if self.filter is not None else 0)
+        end = len(raw) - hold
+        while end > 0 and raw[end - 1] == "\ufffd" and not self.finish:  # an unfinished character
+            end -= 1
+        return self._emit(max(end, self.emitted))
+
+    def _flush(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, end: int) -> str:
+        delta, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
+        return delta
+
+
+class Generator:
+    """Batched KV-cache generation over one model, keeping its compiled graphs.
+
+    Args:
+        model: a ``QwenForCausalLM`` (put in inference mode).
+        tokenizer: optional; needed for text, ``stop_strings`` and ``output_filter``.
+        output_filter: optional block-list applied to generated text.
+    """
+
+    def __init__(self, model, tokenizer=None, output_filter: Optional[OutputFilter] = None):
+        model.set_train(False)
+        self.model, self.tokenizer, self.filter = model, tokenizer, output_filter
+        self.dtype = model_dtype(model)
+        self.stamp = model.create_time
+        self.prefill = CachedStep(model)
+        self.decode = CachedStep(model)
+        self.prefill.set_inputs(*_dynamic_prefill_inputs(self.dtype))
+
+    def run(self, prompts: Sequence[Sequence[int]], configs: Union[GenerationConfig, Sequence[GenerationConfig]],
+            on_token: Optional[TokenCallback] = None, progress: bool = False) -> List[RowResult]:
+        """Generate for each prompt (lists of ids, any lengths: they are left-padded together)."""
+        if not len(prompts) or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if isinstance(configs, GenerationConfig):
+            configs = [configs] * len(prompts)
+        needs_text = any(c.stop_strings for c in configs) or self.filter is not None
+        if needs_text and self.tokenizer is None:
+            raise ValueError("stop_strings and output filters work on text: pass a tokenizer")
+        s = max(len(p) for p in prompts)
+        ids = np.zeros((len(prompts), s), np.int32)
+        mask = np.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, s - len(p):], mask[i, s - len(p):] = p, 1
+        rows = [_Row(np.asarray(p), c, self.tokenizer, self.filter) for p, c in zip(prompts, configs)]
+        mode = ms.get_context("mode")
+        ms.set_context(mode=ms.GRAPH_MODE)  # the step graphs compile whatever mode the caller is in
+        try:
+            self.decode_loop(ids, mask, rows, on_token, progress)
+        finally:
+            ms.set_context(mode=mode)
+        return [RowResult(r.tokens, r.text if self.tokenizer is not None else None, r.finish or "length")
+                for r in rows]
+
+    def decode_loop(self, ids: np.ndarray, mask: np.ndarray, rows: List[_Row],
+                    on_token: Optional[TokenCallback], progress: bool) -> None:
+        """Prefill the left-padded batch ``ids``/``mask`` (B, S), then decode until every row ends."""
+        b, s = ids.shape
+        steps = max(r.config.max_new_tokens for r in rows)
+        if steps == 0:
+            return
+        max_pos = self.model.config.max_position_embeddings
+        if s + steps > max_pos:
+            raise ValueError(f"prompt ({s}) + max_new_tokens ({steps}) exceeds the model's "
+                             f"max_position_embeddings ({max_pos})")
+        layout = CacheLayout.of(self.model.config, b, min(_round_up(s + steps, CACHE_BLOCK), max_pos))
+        slots = np.zeros((b, layout.max_len), np.int32)
+        slots[:, :s] = mask
+        positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
+        logits, k, v = self.prefill(Tensor(ids), Tensor(positions), Tensor(slots),
+                                    Tensor(np.arange(s, dtype=np.int32)), layout.zeros(self.dtype),
+                                    layout.zeros(self.dtype))
+        next_pos = positions[:, -1:] + 1  # (B, 1)
+        for i in tqdm(range(steps), desc="generating", unit="tok", disable=not progress):
+            logits_np = logits.asnumpy()
+            tokens = np.empty((b, 1), np.int32)
+            for r, row in enumerate(rows):
+                if row.finish is not None:
+                    tokens[r, 0] = row.config.pad_token_id
+                    continue
+                tokens[r, 0], delta = row.step(logits_np[r])
+                if on_token is not None:
+                    on_token(r, int(tokens[r, 0]), delta)
+            if all(row.finish is not None for row in rows) or i == steps - 1:
+                break
+            slots[:, s + i] = 1
+            logits, k, v = self.decode(Tensor(tokens), Tensor(next_pos), Tensor(slots),
+                                       Tensor(np.array([s + i], np.int32)), k, v)
+            next_pos = next_pos + 1
+
+
+def _dynamic_prefill_inputs(dtype) -> tuple:
+    """Input signature of the prefill graph: any batch, sequence and cache length."""
+    i32 = ms.int32
+    return (Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
+            Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None], dtype=i32),
+            Tensor(shape=[None] * 5, dtype=dtype), Tensor(shape=[None] * 5, dtype=dtype))
+
+
+def _round_up(n: int, block: int) -> int:
+    return int(math.ceil(n / block) * block)
+
+
+def generate(model, input_ids, max_new_tokens: int = 32, do_sample: bool = False,
+             attention_mask=None, tokenizer=None, output_filter: Optional[OutputFilter] = None,
+             on_token: Optional[TokenCallback] = None, progress: bool = False, **kwargs) -> np.ndarray:
+    """Continue ``input_ids`` [B, S] (a left-padded batch with ``attention_mask``, or a list of
+    prompts of any lengths); returns prompt + new tokens [B, S+N] int32, like HF.
+
+    Keyword arguments are ``GenerationConfig`` fields (temperature, top_k, top_p,
+    repetition_penalty, eos_token_id, stop_strings, pad_token_id, seed). Rows that end early
+    are padded with ``pad_token_id``. The compiled graphs are kept per model, so later calls
+    with the same shapes do not recompile.
+    """
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, **kwargs)
+    prompts, padded = _prompts(input_ids, attention_mask)
+    gen = model.__dict__.get("_mindqwen_generator")
+    # A merge or other surgery re-stamps the model's cells (invalidate_compiled_graphs): rebuild.
+    if gen is None or gen.stamp != model.create_time or (gen.tokenizer, gen.filter) != (tokenizer, output_filter):
+        gen = Generator(model, tokenizer, output_filter)
+        object.__setattr__(model, "_mindqwen_generator", gen)
+    results = gen.run(prompts, config, on_token, progress)
+    n = max(len(r.tokens) for r in results)
+    new = np.full((len(results), n), config.pad_token_id, np.int32)
+    for i, r in enumerate(results):
+        new[i, :len(r.tokens)] = r.tokens
+    return np.concatenate([padded, new], 1)
+
+
+def _prompts(input_ids, attention_mask) -> Tuple[List[np.ndarray], np.ndarray]:
+    """Rows without their padding, and the [B, S] array they came from."""
+    if isinstance(input_ids, ms.Tensor):
+        input_ids = input_ids.asnumpy()
+    if isinstance(input_ids, (list, tuple)) and input_ids and not np.isscalar(input_ids[0]) \
+            and len({len(p) for p in input_ids}) > 1:
+        s = max(len(p) for p in input_ids)
+        padded = np.zeros((len(input_ids), s), np.int32)
+        for i, p in enumerate(input_ids):
+            padded[i, s - len(p):] = p
+        return [np.asarray(p, np.int32) for p in input_ids], padded
+    ids = np.asarray(input_ids, dtype=np.int32)
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [batch, seq] with seq > 0, got shape {ids.shape}")
-    stops = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
-    done = np.zeros(len(ids), dtype=bool)
-    for _ in tqdm(range(max_new_tokens), desc="generating", unit="tok", disable=not progress):
-        logits = model(ms.Tensor(ids))[:, -1].asnumpy()  # (B, V)
-        nxt = logits.argmax(-1).astype(np.int32)
-        if stops:
-            nxt = np.where(done, next(iter(stops)), nxt)
-            done |= np.isin(nxt, list(stops))
-        ids = np.concatenate([ids, nxt[:, None]], 1)
-        if done.all():
-            break
-    return ids
+    if attention_mask is None:
+        return list(ids), ids
+    mask = np.asarray(attention_mask.asnumpy() if isinstance(attention_mask, ms.Tensor) else attention_mask)
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask shape {mask.shape} differs from input_ids {ids.shape}")
+    if not np.all(np.diff(mask, axis=1) >= 0) or not mask[:, -1].all():
+        raise ValueError("attention_mask must be left padding (zeros, then ones) with a token in every row")
+    return [row[m.astype(bool)] for row, m in zip(ids, mask)], ids
+
+
+__all__ = ["GenerationConfig", "Generator", "OutputFilter", "RowResult", "generate"]

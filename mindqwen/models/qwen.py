@@ -174,6 +174,33 @@ class Attention(nn.Cell):
 
     def construct(self, x, cos, sin, mask):
         """x (B, S, H); cos/sin (B, 1, S, D); mask (B, 1, S, S) bool, True = not attended."""
+        q, k, v = self._project(x, cos, sin)
+        if self.use_flash:
+            out = ops.flash_attention_score(q, k, v, self.num_heads, attn_mask=mask.astype(ms.uint8),
+                                            scalar_value=self.scale, input_layout="BNSD")
+        else:
+            out = self._attend(q, k, v, mask)
+        return self._output(out)
+
+    def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
+        """The KV-cache step: write this step's keys/values at ``cache_position`` and attend
+        over the whole cache.
+
+        x (B, T, H); cos/sin (B, 1, T, D); mask (B, 1, T, MAX) bool, True = not attended;
+        k_cache/v_cache (B, KV, MAX, D); cache_position (T,) int32, the slots written.
+        Returns the output (B, T, H) and the updated caches (new tensors: no Parameter state,
+        so one graph serves eager generation and the exported MindIR alike).
+        """
+        q, k, v = self._project(x, cos, sin)
+        b, kv, t, d = k.shape
+        slots = ops.broadcast_to(cache_position.reshape(1, 1, t, 1), (b, kv, t, d))
+        k_cache = ops.tensor_scatter_elements(k_cache, slots, k.astype(k_cache.dtype), 2)
+        v_cache = ops.tensor_scatter_elements(v_cache, slots, v.astype(v_cache.dtype), 2)
+        out = self._attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+        return self._output(out), k_cache, v_cache
+
+    def _project(self, x, cos, sin):
+        """x (B, S, H) → q (B, N, S, D), k and v (B, KV, S, D), rotary applied."""
         b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, N, D)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)  # (B, S, KV, D)
@@ -182,14 +209,12 @@ class Attention(nn.Cell):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)  # (B, N, S, D)
         k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)  # (B, KV, S, D)
-        v = v.transpose(0, 2, 1, 3)  # (B, KV, S, D)
-        if self.use_flash:
-            out = ops.flash_attention_score(q, k, v, self.num_heads, attn_mask=mask.astype(ms.uint8),
-                                            scalar_value=self.scale, input_layout="BNSD")
-        else:
-            out = self._attend(q, k, v, mask)
-        out = out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim)
-        return self.o_proj(out)  # (B, S, H)
+        return q, k, v.transpose(0, 2, 1, 3)
+
+    def _output(self, out):
+        """out (B, N, S, D) → o_proj (B, S, H)."""
+        b, _, s, _ = out.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim))
 
     def _attend(self, q, k, v, mask):
         b, _, s, d = q.shape
@@ -232,6 +257,13 @@ class DecoderLayer(nn.Cell):
     def construct(self, x, cos, sin, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
+        """``construct`` with the KV cache (see ``Attention.cached``)."""
+        a, k_cache, v_cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, mask,
+                                                    k_cache, v_cache, cache_position)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
 class QwenModel(nn.Cell):
@@ -301,6 +333,36 @@ class QwenModel(nn.Cell):
             return x, hidden_states + (x,)
         return x
 
+    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
+        """One generation step over T new tokens with a static-shape KV cache.
+
+        input_ids, position_ids (B, T) int32 (positions count real tokens only);
+        attention_mask (B, MAX) int32, 1 = a real token in that cache slot (this step's included);
+        cache_position (T,) int32, the slots this step writes (shared by all rows: prompts are
+        left-padded); k_cache/v_cache (L, B, KV, MAX, D).
+        Returns the normed hidden states (B, T, H) and the updated caches.
+        """
+        b, t = input_ids.shape
+        slots = ops.arange(0, k_cache.shape[3], dtype=ms.int32)  # (MAX,)
+        query = cache_position.reshape(t, 1)
+        masked = ops.logical_or(slots.reshape(1, -1) > query,  # (T, MAX): future slots
+                                (attention_mask == 0).reshape(b, 1, 1, -1))  # (B, 1, T, MAX)
+        window_masked = masked
+        if self.sliding_window > 0:  # pads sit before every real token, so slot gaps = position gaps
+            window_masked = ops.logical_or(masked, query - slots.reshape(1, -1) >= self.sliding_window)
+        cos, sin = self.rotary_emb(position_ids)
+        x = self.embed_tokens(input_ids)
+        if self.hidden_dtype is not None:
+            x = x.astype(self.hidden_dtype)
+        keys, values = (), ()
+        # One Unstack, not L StridedSlices: CPU StridedSlice on the 5-D cache costs ~1 ms each.
+        k_layers, v_layers = ops.unstack(k_cache, 0), ops.unstack(v_cache, 0)
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.cached(x, cos, sin, window_masked if layer.self_attn.sliding else masked,
+                                   k_layers[i], v_layers[i], cache_position)
+            keys, values = keys + (k,), values + (v,)
+        return self.norm(x), ops.stack(keys), ops.stack(values)
+
 
 class QwenForCausalLM(nn.Cell):
     """Qwen decoder with a language-model head (tied to the embeddings or separate).
@@ -328,6 +390,14 @@ class QwenForCausalLM(nn.Cell):
         if labels is None:
             return logits
         return self.loss(logits, labels)
+
+    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
+        """KV-cache step (see ``QwenModel.cached``): next-token logits (B, V) fp32 at the last
+        of the T positions, and the updated caches (L, B, KV, MAX, D)."""
+        h, k_cache, v_cache = self.model.cached(input_ids, position_ids, attention_mask,
+                                                cache_position, k_cache, v_cache)
+        logits = self.logits(h[:, -1:])  # (B, 1, V); a reshape, not a slice, drops the axis
+        return logits.reshape(logits.shape[0], -1).astype(ms.float32), k_cache, v_cache
 
     def logits(self, h):
         """h (B, S, H) → logits (B, S, V)."""

@@ -116,7 +116,6 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
 
     max_new = 1 + max((len(tokenizer.encode(r)) for _, r in eval_pairs), default=0)
     if eval_pairs:
-        ms.set_context(mode=ms.PYNATIVE_MODE)  # one graph per generated length would cost more
         summary["exact_match_before"], _ = exact_match(model, tokenizer, eval_pairs, max_new)
         print(f"held-out exact match before fine-tuning: {summary['exact_match_before']:.1%} "
               f"({len(eval_pairs)} questions)")
@@ -125,7 +124,6 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
     summary["train"] = fit(model, train_set, recipe.trainer, eval_set, recipe_text, recipe.parallel)
 
     if eval_pairs:
-        ms.set_context(mode=ms.PYNATIVE_MODE)
         summary["exact_match_after"], answers = exact_match(model, tokenizer, eval_pairs, max_new)
         print(f"held-out exact match after fine-tuning:  {summary['exact_match_after']:.1%}")
         summary["samples"] = [{"prompt": p, "answer": a, "reference": r}

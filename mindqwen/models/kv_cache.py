@@ -1,0 +1,75 @@
+"""The static-shape KV cache: its layout, and the step Cell that prefill and decode compile from.
+
+The cache is two tensors, keys and values, each (L, B, KV, MAX, D): layer, batch row, KV head,
+cache slot, head dim. It is an *input and output* of the step graph, not a Parameter inside it,
+so the same graph runs eagerly, exports to MindIR and converts with ``converter_lite`` without
+hidden state; on CPU and Ascend the tensors stay on the device between steps.
+
+Prompts are left-padded to one length S, so every row writes the same slots: the prompt fills
+slots 0..S-1 and decode step i writes slot S+i. ``attention_mask`` (B, MAX) marks which slots
+hold real tokens; ``position_ids`` count real tokens only, so a padded row equals its unpadded self.
+
+    prefill  input_ids (B, S)  position_ids (B, S)  cache_position = 0..S-1   cache = zeros
+    decode   input_ids (B, 1)  position_ids (B, 1)  cache_position = [S+i]     cache = last output
+    both  →  logits (B, V) fp32 at the last position, k_cache, v_cache
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+
+from mindqwen.config import QwenConfig
+
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "cache_position", "k_cache", "v_cache")
+OUTPUT_NAMES = ("logits", "k_cache", "v_cache")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shapes of one cache: ``num_layers, batch_size, num_kv_heads, max_len, head_dim``."""
+
+    num_layers: int
+    batch_size: int
+    num_kv_heads: int
+    max_len: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: QwenConfig, batch_size: int, max_len: int) -> "CacheLayout":
+        return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len,
+                   config.head_dim)
+
+    @property
+    def shape(self) -> tuple:
+        return (self.num_layers, self.batch_size, self.num_kv_heads, self.max_len, self.head_dim)
+
+    def zeros(self, dtype=ms.float32) -> Tensor:
+        return Tensor(np.zeros(self.shape, ms.dtype_to_nptype(dtype)))
+
+    def nbytes(self, dtype=ms.float32) -> int:
+        """Bytes of keys plus values."""
+        return 2 * int(np.prod(self.shape)) * np.dtype(ms.dtype_to_nptype(dtype)).itemsize
+
+
+class CachedStep(nn.Cell):
+    """``model.cached`` as a Cell: the graph that prefill (T = S) and decode (T = 1) compile from.
+
+    Args:
+        model: a ``QwenForCausalLM`` (LoRA layers may be merged or not).
+    """
+
+    def __init__(self, model: nn.Cell):
+        super().__init__(auto_prefix=False)  # keep the model's parameter names in exports
+        self.model = model
+
+    def construct(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
+        return self.model.cached(input_ids, position_ids, attention_mask, cache_position,
+                                 k_cache, v_cache)
+
+
+def model_dtype(model: nn.Cell):
+    """The dtype the cache is kept in: the residual stream's."""
+    return model.model.hidden_dtype or model.model.embed_tokens.weight.dtype

@@ -1,0 +1,205 @@
+"""KV-cache generation: cache logits vs full recomputation (itself checked against HF), batching,
+HF's logits processors in closed form, stop strings, the output filter and streaming."""
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from conftest import MODELS, fixture_path, reference
+from mindqwen import QwenConfig, QwenForCausalLM, apply_lora, from_pretrained, merge_lora
+from mindqwen.generate import (GenerationConfig, Generator, OutputFilter, choose_token, generate,
+                               process_logits, softmax)
+from mindqwen.lora import LoraConfig, lora_layers
+from mindqwen.models.kv_cache import CachedStep, CacheLayout
+
+
+def _cached_logits(model, ids, mask, new_tokens):
+    """Prefill a left-padded batch, then feed ``new_tokens`` (B, N) one at a time: logits per step."""
+    b, s = ids.shape
+    layout = CacheLayout.of(model.config, b, s + new_tokens.shape[1] + 3)
+    slots = np.zeros((b, layout.max_len), np.int32)
+    slots[:, :s] = mask
+    pos = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
+    step = CachedStep(model)
+    out, k, v = step(Tensor(ids), Tensor(pos), Tensor(slots), Tensor(np.arange(s, dtype=np.int32)),
+                     layout.zeros(), layout.zeros())
+    logits = [out.asnumpy()]
+    nxt = pos[:, -1:] + 1
+    for i in range(new_tokens.shape[1]):
+        slots[:, s + i] = 1
+        out, k, v = step(Tensor(new_tokens[:, i:i + 1]), Tensor(nxt + i), Tensor(slots),
+                         Tensor(np.array([s + i], np.int32)), k, v)
+        logits.append(out.asnumpy())
+    return logits
+
+
+def _full_logits(model, ids, mask, new_tokens):
+    logits = []
+    for i in range(new_tokens.shape[1] + 1):
+        full = np.concatenate([ids, new_tokens[:, :i]], 1)
+        full_mask = np.concatenate([mask, np.ones((len(ids), i), np.int32)], 1)
+        logits.append(model(Tensor(full), Tensor(full_mask)).asnumpy()[:, -1])
+    return logits
+
+
+def _padded_batch(vocab, rng):
+    ids = rng.integers(0, vocab, (3, 9)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :8] = 0  # a one-token prompt
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_kv_cache_logits_equal_full_recompute(name, mode):
+    model = from_pretrained(fixture_path(name, "base"))
+    rng = np.random.default_rng(3)
+    ids, mask = _padded_batch(model.config.vocab_size, rng)
+    new = rng.integers(0, model.config.vocab_size, (3, 5)).astype(np.int32)
+    cached, full = _cached_logits(model, ids, mask, new), _full_logits(model, ids, mask, new)
+    diff = max(float(np.abs(c - f).max()) for c, f in zip(cached, full))
+    print(f"{name} [{mode}]: KV cache vs full recompute, max |Δlogit| over 6 steps = {diff:.1e}")
+    assert diff <= 1e-5
+
+
+def test_kv_cache_sliding_window_equals_full_recompute():
+    cfg = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                     use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = QwenForCausalLM(cfg)
+    model.set_train(False)
+    rng = np.random.default_rng(4)
+    ids, mask = _padded_batch(cfg.vocab_size, rng)
+    new = rng.integers(0, cfg.vocab_size, (3, 6)).astype(np.int32)
+    cached, full = _cached_logits(model, ids, mask, new), _full_logits(model, ids, mask, new)
+    assert max(float(np.abs(c - f).max()) for c, f in zip(cached, full)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_batched_left_padded_generation_equals_rows(name):
+    model = from_pretrained(fixture_path(name, "base"))
+    ref = reference(name)["input_ids"]
+    prompts = [ref[0, :16].tolist(), ref[1, :5].tolist(), ref[1, 7:16].tolist()]
+    batched = generate(model, prompts, max_new_tokens=8)
+    assert batched.shape == (3, 16 + 8) and batched.dtype == np.int32
+    for i, p in enumerate(prompts):
+        alone = generate(model, [p], max_new_tokens=8)
+        assert np.array_equal(batched[i, 16 - len(p):], alone[0]), i
+        assert (batched[i, :16 - len(p)] == 0).all()
+
+
+def test_lora_generation_equals_merged():
+    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    apply_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    rng = np.random.default_rng(0)
+    for layer in lora_layers(model).values():  # B is zero at init: make the adapter count
+        layer.lora_b.set_data(Tensor(rng.normal(0, 0.2, layer.lora_b.shape).astype(np.float32)))
+    prompt = reference("qwen2_tiny")["input_ids"][:1, :12]
+    unmerged = generate(model, prompt, max_new_tokens=6)
+    merge_lora(model)
+    assert np.array_equal(generate(model, prompt, max_new_tokens=6), unmerged)
+
+
+def test_eos_stops_each_row_and_pads():
+    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    gen = reference("qwen2_tiny")["gen_ids"]
+    eos = int(gen[0, 16 + 2])
+    out = generate(model, gen[:1, :16], max_new_tokens=8, eos_token_id=[999, eos], pad_token_id=7)
+    assert np.array_equal(out[0, :19], gen[0, :19]) and out.shape[1] == 19
+
+
+# HF's processors in closed form on a 6-token vocabulary.
+LOGITS = np.array([2.0, -1.0, 0.5, 3.0, -2.0, 1.0], np.float32)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    out = process_logits(LOGITS, np.array([0, 1, 1]), GenerationConfig(repetition_penalty=2.0))
+    assert np.allclose(out, [1.0, -2.0, 0.5, 3.0, -2.0, 1.0])
+
+
+def test_top_k_and_top_p_keep_the_closed_form_sets():
+    keep = np.isfinite(process_logits(LOGITS, np.array([]), GenerationConfig(do_sample=True, top_k=2)))
+    assert keep.tolist() == [True, False, False, True, False, False]
+    p = softmax(LOGITS.astype(np.float64))
+    order = np.argsort(-p)  # 3, 0, 5, 2, 1, 4
+    top_p = float(p[order[:2]].sum()) - 1e-6  # the two most likely tokens already exceed it
+    keep = np.isfinite(process_logits(LOGITS, np.array([]), GenerationConfig(do_sample=True, top_p=top_p)))
+    assert sorted(np.flatnonzero(keep)) == sorted(order[:2])
+    keep = np.isfinite(process_logits(LOGITS, np.array([]), GenerationConfig(do_sample=True, top_p=1e-3)))
+    assert np.flatnonzero(keep).tolist() == [3]  # at least one token is always kept
+
+
+def test_sampling_follows_the_tempered_distribution():
+    config = GenerationConfig(do_sample=True, temperature=2.0)
+    rng = np.random.default_rng(0)
+    scores = process_logits(LOGITS, np.array([]), config)
+    draws = np.bincount([choose_token(scores, config, rng) for _ in range(20000)], minlength=6) / 20000
+    expected = softmax(LOGITS.astype(np.float64) / 2.0)
+    assert np.abs(draws - expected).max() < 0.015  # ~4 standard errors at n = 20000
+    greedy_like = GenerationConfig(do_sample=True, top_k=1)
+    assert choose_token(process_logits(LOGITS, np.array([]), greedy_like), greedy_like, rng) == 3
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_with_top_k_1():
+    model = from_pretrained(fixture_path("qwen3_tiny", "base"))
+    ref = reference("qwen3_tiny")
+    prompt = ref["input_ids"][:1, :16]
+    a = generate(model, prompt, max_new_tokens=8, do_sample=True, temperature=1.5, seed=11)
+    b = generate(model, prompt, max_new_tokens=8, do_sample=True, temperature=1.5, seed=11)
+    assert np.array_equal(a, b)
+    assert np.array_equal(generate(model, prompt, max_new_tokens=8, do_sample=True, top_k=1, seed=5),
+                          ref["gen_ids"])
+
+
+def test_invalid_generation_config_names_the_field():
+    for kwargs, field in (({"top_p": 0.0}, "top_p"), ({"temperature": 0}, "temperature"),
+                          ({"max_new_tokens": -1}, "max_new_tokens"), ({"top_k": -2}, "top_k")):
+        with pytest.raises(ValueError, match=field):
+            GenerationConfig(**kwargs)
+
+
+class LetterTokenizer:
+    """Test double: token i is the letter chr(97 + i % 26); id 0 is EOS."""
+
+    eos_token_id = 0
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def _texts(model, tokenizer, output_filter=None, **kwargs):
+    deltas = []
+    gen = Generator(model, tokenizer, output_filter)
+    row = gen.run([reference("qwen2_tiny")["input_ids"][0, :16].tolist()],
+                  GenerationConfig(max_new_tokens=8, **kwargs), on_token=lambda r, t, d: deltas.append(d))[0]
+    return row, "".join(deltas)
+
+
+def test_stop_strings_and_streaming():
+    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    full, streamed = _texts(model, LetterTokenizer())
+    assert streamed == full.text and len(full.tokens) == 8 and full.finish_reason == "length"
+    stop = full.text[3:5]
+    row, streamed = _texts(model, LetterTokenizer(), stop_strings=[stop])
+    assert row.text == full.text[:full.text.index(stop) + 2] == streamed
+    assert row.finish_reason == "stop" and row.tokens == full.tokens[:len(row.text)]
+
+
+@pytest.mark.parametrize("action", ["mask", "drop", "stop"])
+def test_output_filter_actions(action):
+    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    full, _ = _texts(model, LetterTokenizer())
+    blocked = full.text[2:4]
+    row, streamed = _texts(model, LetterTokenizer(), OutputFilter([blocked], action))
+    expected = {"mask": full.text.replace(blocked, "**"), "drop": full.text.replace(blocked, ""),
+                "stop": full.text[:full.text.index(blocked)]}[action]
+    assert row.text == expected and streamed == expected
+    assert row.finish_reason == ("content_filter" if action == "stop" else "length")
+
+
+def test_output_filter_patterns_and_errors():
+    f = OutputFilter(["re:[0-9]{3}", "secret"], "mask")
+    assert f.apply("call 555 now, secret!") == ("call *** now, ******!", False)
+    with pytest.raises(ValueError, match="action"):
+        OutputFilter(["x"], "erase")
+    with pytest.raises(ValueError, match=r"re:\("):
+        OutputFilter(["re:("])
