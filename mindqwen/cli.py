@@ -6,6 +6,7 @@ Every command takes ``--help`` (with a worked example); errors print one line an
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -117,22 +118,41 @@ def cmd_generate(argv: List[str]) -> None:
 
 
 def cmd_export(argv: List[str]) -> None:
-    """Export the prefill graph to MindIR and check it against the eager model."""
-    p = _parser(cmd_export, "mindqwen export tests/fixtures/qwen2_tiny/base --output out/prefill.mindir "
-                            "--seq-length 64")
+    """Export prefill + decode MindIR graphs, converter_lite configs and a parity report."""
+    p = _parser(cmd_export, "mindqwen export tests/fixtures/qwen2_tiny/base --output out/export "
+                            "--batch-sizes 1,4,8 --max-seq-len 2048 --dtype float16 --target Ascend310")
     p.add_argument("model", help="HF folder")
-    p.add_argument("--adapter", help="PEFT adapter folder to load (and merge) first")
-    p.add_argument("--output", required=True, help="*.mindir path")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--adapter", help="PEFT adapter folder, merged into the exported graphs")
+    p.add_argument("--output", required=True, help="export folder (replaced atomically)")
+    p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (converter gears)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV-cache length: prompt + new tokens")
+    p.add_argument("--seq-buckets", help="comma-separated prompt-length gears (default 64, 128, …)")
+    p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    p.add_argument("--target", default="Ascend310", help="Ascend310 | Ascend310P | Ascend910 | Ascend910B")
+    p.add_argument("--precision-mode", help="ge.exec.precision_mode (default: by dtype)")
+    p.add_argument("--tokenizer", action="append", default=[], help="tokenizer file to ship (repeatable)")
     args = p.parse_args(argv)
-    from mindqwen import merge_and_unload
-    from mindqwen.export import export_mindir
+    from mindqwen.export import export_model
     model = _load_model(args.model, args.adapter)
-    if args.adapter:
-        model = merge_and_unload(model)
-    diff = export_mindir(model, args.output, args.batch_size, args.seq_length)
-    print(f"wrote {args.output}; exported graph vs eager: max |Δlogit| = {diff:.1e}")
+    manifest = export_model(model, args.output, _ints(args.batch_sizes, "--batch-sizes"), args.max_seq_len,
+                            _ints(args.seq_buckets, "--seq-buckets") if args.seq_buckets else None,
+                            args.dtype, args.target, args.precision_mode, args.tokenizer)
+    with open(os.path.join(args.output, "parity.json"), encoding="utf-8") as f:
+        parity = json.load(f)
+    print(f"wrote {args.output}: prefill.mindir, decode.mindir, manifest.json, lite/ ({args.target})")
+    same, full = parity["eager_same_steps"], parity["full_recompute"]
+    print(f"parity ({parity['new_tokens']} greedy steps, batch {parity['batch_size']}, fresh process): "
+          f"vs eager steps max |Δlogit| = {same['max_abs_logit_diff']:.1e}, vs full recompute "
+          f"{full['max_abs_logit_diff']:.1e}; tokens identical = {same['tokens_identical'] and full['tokens_identical']}")
+    converted = "converted" if manifest["lite"]["converted"] else "converter_lite is not on PATH; on the target run"
+    print(f"{converted}: sh {args.output}/lite/convert.sh")
+
+
+def _ints(text: str, flag: str) -> List[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 FORMATS = ["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"]

@@ -222,14 +222,25 @@ class LoRALayer(nn.Cell):
         self.weight.set_data(Tensor((w - self.scaling * b @ a).astype(np.float32)).astype(self.weight.dtype))
         return {"lora_a": self.lora_a.asnumpy().copy(), "lora_b": self.lora_b.asnumpy().copy()}
 
+    def merged_weight_np(self) -> np.ndarray:
+        """The weight ``merge`` would write, in float64, without touching the layer."""
+        if self.merged:
+            return self.weight.asnumpy().astype(np.float64)
+        return self._merge_np()[0]
+
+    def _merge_np(self):
+        w = self.weight.asnumpy().astype(np.float64) + self.delta_np()
+        factor = None
+        if self.use_dora:
+            factor = self.lora_magnitude_vector.asnumpy().astype(np.float64) / np.sqrt((w * w).sum(1))
+            w = w * factor[:, None]
+        return w, factor
+
     def merge(self) -> None:
         """W ← W + s·B·A (DoRA: m/‖W + s·B·A‖ ⊙ (W + s·B·A)), computed in float64."""
         if self.merged:
             return
-        w = self.weight.asnumpy().astype(np.float64) + self.delta_np()
-        if self.use_dora:
-            self._dora_factor = self.lora_magnitude_vector.asnumpy().astype(np.float64) / np.sqrt((w * w).sum(1))
-            w = w * self._dora_factor[:, None]
+        w, self._dora_factor = self._merge_np()
         self.weight.set_data(Tensor(w.astype(np.float32)).astype(self.weight.dtype))
         self.merged = True
 

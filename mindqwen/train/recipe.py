@@ -119,18 +119,98 @@ class PretrainSection:
 @dataclass
 class ExportSection:
     """Attributes:
-        enabled: export MindIR after training.
-        batch_sizes: exported batch sizes.
-        max_seq_len: longest sequence the exported graphs accept.
-        soc_version: MindSpore Lite target (Ascend310 | Ascend310P | Ascend910).
-        precision_mode: converter precision mode (e.g. enforce_fp16 | enforce_fp32 | preferred_fp32).
+        enabled: export the prefill + decode MindIR graphs after training.
+        batch_sizes: batch sizes the device graphs are built for (converter gears).
+        max_seq_len: KV-cache length: prompt plus generated tokens.
+        seq_buckets: prompt-length gears of the prefill graph (None: 64, 128, … max_seq_len).
+        dtype: weights of the exported graphs, float32 | float16 (softmax/norms stay fp32).
+        soc_version: MindSpore Lite target (Ascend310 | Ascend310P | Ascend910 | Ascend910B).
+        precision_mode: converter precision mode, ``ge.exec.precision_mode`` spelling
+            (force_fp32 | force_fp16 | must_keep_origin_dtype | allow_mix_precision |
+            allow_fp32_to_fp16); None picks must_keep_origin_dtype for fp16, force_fp32 for fp32.
     """
 
     enabled: bool = False
     batch_sizes: List[int] = field(default_factory=lambda: [1])
     max_seq_len: int = 2048
+    seq_buckets: Optional[List[int]] = None
+    dtype: str = "float16"
     soc_version: str = "Ascend310"
-    precision_mode: str = "enforce_fp16"
+    precision_mode: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from mindqwen.export.lite import check_target
+        if self.dtype not in ("float32", "float16"):
+            raise ValueError(f"export.dtype must be float32 or float16, got {self.dtype!r}")
+        check_target(self.soc_version, self.precision_mode)
+
+
+@dataclass
+class OutputFilterSection:
+    """Attributes:
+        block: strings to block in generated text; ``re:<pattern>`` is a regular expression.
+        action: mask (``*`` per character) | drop (remove) | stop (end the answer before it).
+    """
+
+    block: List[str] = field(default_factory=list)
+    action: str = "mask"
+
+    def __post_init__(self) -> None:
+        from mindqwen.generate import OutputFilter
+        OutputFilter(self.block, self.action)  # raises on a bad action or pattern
+
+
+@dataclass
+class GenerationSection:
+    """Defaults for generation (sample answers, export manifest, ``mindqwen serve``).
+
+    Attributes:
+        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, stop_strings:
+            as in HF ``generate`` (``mindqwen.generate.GenerationConfig``).
+        output_filter: block-list applied to generated text while generating and serving.
+    """
+
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop_strings: List[str] = field(default_factory=list)
+    output_filter: OutputFilterSection = field(default_factory=OutputFilterSection)
+
+    def __post_init__(self) -> None:
+        self.config()  # raises on bad values
+
+    def config(self, **overrides):
+        """A ``GenerationConfig`` with these defaults and ``overrides``."""
+        from mindqwen.generate import GenerationConfig
+        fields = {k: getattr(self, k) for k in ("max_new_tokens", "do_sample", "temperature", "top_k",
+                                                "top_p", "repetition_penalty", "stop_strings")}
+        return GenerationConfig(**{**fields, **overrides})
+
+
+@dataclass
+class ServeSection:
+    """Attributes:
+        host, port: where ``mindqwen serve`` listens.
+        max_batch_size: requests decoded together at most.
+        batch_timeout_ms: how long the first queued request waits for others to join its batch.
+        max_queue: queued requests beyond which new ones get HTTP 503.
+        max_prompt_tokens: longer prompts get HTTP 400.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch_size: int = 16
+    batch_timeout_ms: float = 100.0
+    max_queue: int = 64
+    max_prompt_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_prompt_tokens < 1 or self.batch_timeout_ms < 0:
+            raise ValueError("serve: max_batch_size, max_queue and max_prompt_tokens must be >= 1, "
+                             "batch_timeout_ms >= 0")
 
 
 @dataclass
@@ -144,6 +224,8 @@ class Recipe:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     export: ExportSection = field(default_factory=ExportSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    serve: ServeSection = field(default_factory=ServeSection)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -227,7 +309,8 @@ def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
 
 
 _SECTIONS = (ModelSection, DataSection, SyntheticSection, PretrainSection, ParallelConfig, ExportSection,
-             LoraConfig, TrainerConfig, PrecisionConfig)
+             LoraConfig, TrainerConfig, PrecisionConfig,
+             GenerationSection, OutputFilterSection, ServeSection)
 
 
 def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):

@@ -1,0 +1,270 @@
+"""MindIR export: a prefill and a decode graph with the KV cache as inputs/outputs, a manifest,
+the ``converter_lite`` configs, a stand-alone runner and a parity report.
+
+    folder/
+      prefill.mindir     (B, S) prompt, dynamic batch and sequence (converter gears per bucket)
+      decode.mindir      (B, 1) next token, dynamic batch
+      manifest.json      inputs, shapes (-1 = dynamic), dtypes, cache layout, tokenizer, generation
+      run_exported.py    greedy generation through the graphs: MindSpore (GraphCell) or Lite
+      lite/              converter_lite configs + convert.sh for the target (Ascend 310 …)
+      tokenizer/         the tokenizer files, when given
+      parity.json        exported graphs vs the eager model, run in a fresh process
+
+LoRA is merged into a plain copy of the model (the caller's model is untouched); the copy is
+built with hand-written RMSNorm/attention (no Ascend-only fused kernels), so the graph
+converts for any Ascend target. In fp16 exports the attention softmax, RMSNorm and rotary
+stay fp32 (the model casts them), which is what keeps Qwen's large logits from overflowing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from mindqwen.config import QwenConfig
+from mindqwen.export import lite
+from mindqwen.lora import lora_layers
+from mindqwen.models.kv_cache import INPUT_NAMES, OUTPUT_NAMES, CachedStep, CacheLayout
+from mindqwen.models.qwen import QwenForCausalLM
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16}
+# Exported graphs vs the same steps run eagerly, per export dtype, and (fp32) vs the full
+# forward without a cache: the golden references' fp32 budget for a different summation order.
+PARITY_TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
+FULL_TOLERANCE = 5e-5
+RUNNER = os.path.join(os.path.dirname(__file__), "run_exported.py")
+
+
+def deploy_copy(model: QwenForCausalLM, dtype: str = "float32") -> QwenForCausalLM:
+    """A plain (LoRA merged in float64, no fused kernels) copy of ``model`` in ``dtype``."""
+    merged = {f"{path}.weight": layer.merged_weight_np() for path, layer in lora_layers(model).items()}
+    source = {p.name: p for p in model.get_parameters()}
+    copy = QwenForCausalLM(model.config, DTYPES[dtype], use_fused_ops=False)
+    np_dtype = ms.dtype_to_nptype(DTYPES[dtype])
+    for p in copy.get_parameters():
+        value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
+        p.set_data(Tensor(value.astype(np_dtype)))
+    copy.set_train(False)
+    return copy
+
+
+def default_buckets(max_seq_len: int) -> List[int]:
+    """Prompt-length gears: 64, 128, 256, … up to ``max_seq_len``."""
+    buckets, n = [], 64
+    while n < max_seq_len:
+        buckets.append(n)
+        n *= 2
+    return buckets + [max_seq_len]
+
+
+def graph_inputs(config: QwenConfig, max_seq_len: int, seq_len: Optional[int], dtype: str) -> List[dict]:
+    """Input signature of the step graph; ``seq_len`` None = dynamic (-1). Batch is dynamic."""
+    layout = CacheLayout.of(config, -1, max_seq_len)
+    t = -1 if seq_len is None else seq_len
+    shapes = ([-1, t], [-1, t], [-1, max_seq_len], [t], list(layout.shape), list(layout.shape))
+    dtypes = ("int32",) * 4 + (dtype, dtype)
+    return [{"name": n, "shape": s, "dtype": d} for n, s, d in zip(INPUT_NAMES, shapes, dtypes)]
+
+
+def graph_specs(config: QwenConfig, max_seq_len: int, dtype: str) -> Dict[str, dict]:
+    """The manifest's ``graphs``: file, inputs and outputs of prefill (dynamic sequence) and decode."""
+    layout = CacheLayout.of(config, -1, max_seq_len)
+    outputs = [{"name": "logits", "shape": [-1, config.vocab_size], "dtype": "float32"}] + [
+        {"name": n, "shape": list(layout.shape), "dtype": dtype} for n in OUTPUT_NAMES[1:]]
+    return {name: {"file": f"{name}.mindir", "inputs": graph_inputs(config, max_seq_len, seq_len, dtype),
+                   "outputs": outputs} for name, seq_len in (("prefill", None), ("decode", 1))}
+
+
+def _placeholders(inputs: List[dict]) -> List[Tensor]:
+    return [Tensor(shape=[None if d < 0 else d for d in i["shape"]], dtype=getattr(ms, i["dtype"]))
+            for i in inputs]
+
+
+def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int] = (1,),
+                 max_seq_len: int = 2048, seq_buckets: Optional[Sequence[int]] = None,
+                 dtype: str = "float32", target: str = "Ascend310", precision_mode: Optional[str] = None,
+                 tokenizer_files: Sequence[str] = (), generation: Optional[dict] = None,
+                 parity: bool = True) -> dict:
+    """Export prefill + decode MindIR graphs and everything needed to run them; returns the manifest.
+
+    Written to a temporary folder beside ``folder`` and renamed into place at the end, so an
+    error never leaves a half-written export. The parity report (``parity.json``) runs the
+    exported graphs in a fresh Python process and compares them with ``model``'s own forward.
+
+    Raises:
+        ValueError: bad sizes, dtype or target (before anything is written).
+        RuntimeError: the exported graphs disagree with the eager model.
+    """
+    buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
+    _check(model, batch_sizes, max_seq_len, buckets, dtype)
+    lite.check_target(target, precision_mode)
+    for path in tokenizer_files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: tokenizer file not found")
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        manifest = _write(model, staging, list(batch_sizes), max_seq_len, buckets, dtype, target,
+                          precision_mode, tokenizer_files, generation or {})
+        if parity:
+            report = check_parity(model, staging, manifest)
+            if not report["passed"]:
+                raise RuntimeError(f"exported graphs disagree with the eager model: {json.dumps(report)}")
+        _replace_folder(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check(model, batch_sizes, max_seq_len, buckets, dtype) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    limit = model.config.max_position_embeddings
+    if not 1 < max_seq_len <= limit:
+        raise ValueError(f"max_seq_len must be in 2..{limit} (max_position_embeddings), got {max_seq_len}")
+    if buckets[0] < 1 or buckets[-1] > max_seq_len:
+        raise ValueError(f"seq_buckets must lie in 1..max_seq_len ({max_seq_len}), got {buckets}")
+    if len(batch_sizes) * len(buckets) > lite.MAX_GEARS:
+        raise ValueError(f"{len(batch_sizes)} batch sizes × {len(buckets)} buckets exceed the "
+                         f"{lite.MAX_GEARS} gears converter_lite accepts")
+
+
+def _write(model, folder, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode,
+           tokenizer_files, generation) -> dict:
+    plain = deploy_copy(model, dtype)
+    graphs = graph_specs(plain.config, max_seq_len, dtype)
+    for name, graph in graphs.items():
+        ms.export(CachedStep(plain), *_placeholders(graph["inputs"]), file_name=os.path.join(folder, name),
+                  file_format="MINDIR")
+    del plain
+    tokenizer = _copy_tokenizer(tokenizer_files, folder)
+    c = model.config
+    manifest = {
+        "format": "mindqwen-export/1",
+        "model": {k: getattr(c, k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "head_dim")},
+        "dtype": dtype, "max_seq_len": max_seq_len, "batch_sizes": batch_sizes, "seq_buckets": buckets,
+        "cache": {"layout": "layers, batch, kv_heads, slot, head_dim", "dtype": dtype,
+                  "shape": [c.num_hidden_layers, -1, c.num_key_value_heads, max_seq_len, c.head_dim],
+                  "padding": "left: the prompt fills slots 0..S-1, decode step i writes slot S+i"},
+        "graphs": graphs, "tokenizer": tokenizer,
+        "generation": {"eos_token_id": c.eos_token_id, **generation},
+    }
+    manifest["lite"] = lite.write_configs(manifest, folder, target, precision_mode)
+    shutil.copy(RUNNER, os.path.join(folder, "run_exported.py"))
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def _copy_tokenizer(files: Sequence[str], folder: str) -> Optional[dict]:
+    if not files:
+        return None
+    os.makedirs(os.path.join(folder, "tokenizer"))
+    names = []
+    for path in files:
+        shutil.copy(path, os.path.join(folder, "tokenizer", os.path.basename(path)))
+        names.append(f"tokenizer/{os.path.basename(path)}")
+    return {"files": names}
+
+
+def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens: int = 6) -> dict:
+    """Greedy generation through the exported graphs in a fresh process (no mindqwen import),
+    compared with (1) the same prefill/decode steps run eagerly (PyNative) on the exported
+    weights, and (2) the full forward without a cache of ``model`` with LoRA merged, in fp32.
+    Writes and returns ``parity.json``."""
+    rng = np.random.default_rng(0)
+    b = max(manifest["batch_sizes"])
+    longest = min(manifest["seq_buckets"][0], manifest["max_seq_len"] - new_tokens)
+    lengths = [max(1, longest - 3 * i) for i in range(b)]  # left padding on every row but the first
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in lengths]
+    tokens, logits = _run_exported(folder, prompts, new_tokens)
+    dtype = manifest["dtype"]
+    eager_tokens, eager_logits = _eager_steps(deploy_copy(model, dtype), manifest, prompts, new_tokens)
+    eager = {"tokens_identical": bool(np.array_equal(eager_tokens, tokens)),
+             "max_abs_logit_diff": float(np.abs(eager_logits - logits).max()) if eager_logits.shape == logits.shape
+             else float("inf")}
+    # Without a cache the sums run in another order: ~1e-5 on logits of |x| ≈ 10 is fp32 noise.
+    full = _compare(deploy_copy(model, "float32"), prompts, tokens, logits)
+    report = {"eager_same_steps": eager, "full_recompute": full, "tokens": tokens.tolist(),
+              "tolerance": PARITY_TOLERANCE[dtype], "batch_size": b, "prompt_lengths": lengths,
+              "new_tokens": new_tokens, "dtype": dtype}
+    if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
+        report["unmerged_lora"] = _compare(model, prompts, tokens, logits)
+    report["passed"] = bool(eager["tokens_identical"] and eager["max_abs_logit_diff"] <= report["tolerance"]
+                            and (dtype != "float32" or (full["tokens_identical"]
+                                                        and full["max_abs_logit_diff"] <= FULL_TOLERANCE)))
+    with open(os.path.join(folder, "parity.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _run_exported(folder: str, prompts: List[List[int]], new_tokens: int):
+    """The export's own runner in a fresh process: tokens (B, N), logits (N, B, V)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        request, dump = os.path.join(tmp, "prompts.json"), os.path.join(tmp, "out.npz")
+        with open(request, "w") as f:
+            json.dump(prompts, f)
+        cmd = [sys.executable, os.path.join(folder, "run_exported.py"), folder, "--backend", "mindspore",
+               "--prompts", request, "--max-new-tokens", str(new_tokens), "--dump", dump]
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
+        if r.returncode != 0:
+            raise RuntimeError(f"running the exported graphs failed:\n{r.stderr[-2000:]}")
+        out = np.load(dump)
+        return out["tokens"], out["logits"]
+
+
+def _eager_steps(plain: QwenForCausalLM, manifest: dict, prompts, new_tokens: int):
+    """The runner's prefill/decode loop with the step Cell run eagerly (PyNative)."""
+    from mindqwen.export import run_exported
+    step = CachedStep(plain)
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        return run_exported.generate(lambda _name, arrays: [o.asnumpy() for o in step(*map(Tensor, arrays))],
+                                     manifest, prompts, new_tokens)
+    finally:
+        ms.set_context(mode=mode)
+
+
+def _compare(model, prompts, tokens, logits) -> Dict[str, object]:
+    """The model's full forward (no cache, PyNative) over each prefix the exported graphs saw."""
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    model.set_train(False)
+    s = max(len(p) for p in prompts)
+    diff, same = 0.0, True
+    for i in range(tokens.shape[1]):
+        ids = np.zeros((len(prompts), s + i), np.int32)
+        mask = np.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            row = list(p) + tokens[r, :i].tolist()
+            ids[r, s - len(p):], mask[r, s - len(p):] = row, 1
+        eager = model(Tensor(ids), Tensor(mask)).asnumpy()[:, -1].astype(np.float32)
+        diff = max(diff, float(np.abs(eager - logits[i]).max()))
+        same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
+    ms.set_context(mode=mode)
+    return {"tokens_identical": same, "max_abs_logit_diff": diff}
+
+
+def _replace_folder(staging: str, folder: str) -> None:
+    """Move ``staging`` to ``folder``; an existing export there is replaced only at the end."""
+    if os.path.exists(folder):
+        old = tempfile.mkdtemp(prefix=".old-export-", dir=os.path.dirname(os.path.abspath(folder)))
+        os.replace(folder, os.path.join(old, "x"))
+        os.replace(staging, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, folder)

@@ -1,0 +1,141 @@
+"""Greedy generation through a mindqwen export folder, without mindqwen: prefill, then decode.
+
+Copied into every export folder. Backends:
+  mindspore  the .mindir graphs through ``ms.load`` + ``nn.GraphCell`` (any machine)
+  lite       the converter_lite outputs in lite/ through MindSpore Lite (an Ascend 310/310P/910 board)
+
+    python run_exported.py EXPORT_DIR --prompt-ids 483,320,350 --max-new-tokens 32
+    python run_exported.py EXPORT_DIR --backend lite --device-id 0 --prompt "你好" (needs tokenizer/)
+
+Prompts are left-padded to the smallest exported sequence bucket (Lite gears are fixed shapes)
+and the batch is filled up to the smallest exported batch size with copies of the first row.
+The KV cache goes in and out of every call (stacked [layers, batch, kv_heads, slot, head_dim]).
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+
+class MindSporeGraphs:
+    def __init__(self, folder, manifest, device_id):
+        import mindspore as ms
+        from mindspore import nn
+        ms.set_context(mode=ms.GRAPH_MODE)
+        self.ms = ms
+        self.graphs = {n: nn.GraphCell(ms.load(os.path.join(folder, g["file"])))
+                       for n, g in manifest["graphs"].items()}
+
+    def __call__(self, name, arrays):
+        outs = self.graphs[name](*[self.ms.Tensor(a) for a in arrays])
+        return [o.asnumpy() for o in outs]
+
+
+class LiteGraphs:
+    def __init__(self, folder, manifest, device_id):
+        import mindspore_lite as mslite
+        context = mslite.Context()
+        context.target = ["ascend"]
+        context.ascend.device_id = device_id
+        self.models, self.shapes = {}, {}
+        for name, path in manifest["lite"]["outputs"].items():
+            model = mslite.Model()
+            model.build_from_file(os.path.join(folder, path), mslite.ModelType.MINDIR, context)
+            self.models[name], self.shapes[name] = model, None
+
+    def __call__(self, name, arrays):
+        model = self.models[name]
+        inputs = model.get_inputs()
+        shapes = [list(a.shape) for a in arrays]
+        if shapes != self.shapes[name]:  # pick the gear
+            model.resize(inputs, shapes)
+            self.shapes[name] = shapes
+        for tensor, a in zip(inputs, arrays):
+            tensor.set_data_from_numpy(np.ascontiguousarray(a))
+        return [o.get_data_to_numpy() for o in model.predict(inputs)]
+
+
+def generate(run, manifest, prompts, max_new_tokens):
+    """Greedy tokens (B, N) and the logits of every step (N, B, V)."""
+    rows = len(prompts)
+    batch = min([b for b in manifest["batch_sizes"] if b >= rows] or [rows])
+    prompts = list(prompts) + [prompts[0]] * (batch - rows)
+    longest = max(len(p) for p in prompts)
+    fits = [s for s in manifest["seq_buckets"] if s >= longest]
+    max_len = manifest["max_seq_len"]
+    if not fits or longest + max_new_tokens > max_len:
+        sys.exit(f"prompt of {longest} tokens + {max_new_tokens} new does not fit the export "
+                 f"(buckets {manifest['seq_buckets']}, max_seq_len {max_len})")
+    s = fits[0]
+    ids = np.zeros((batch, s), np.int32)
+    mask = np.zeros((batch, max_len), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, s - len(p):], mask[i, s - len(p):s] = p, 1
+    positions = np.maximum(np.cumsum(mask[:, :s], 1) - 1, 0).astype(np.int32)
+    shape = [d if d >= 0 else batch for d in manifest["cache"]["shape"]]
+    cache = np.zeros(shape, {"float32": np.float32, "float16": np.float16}[manifest["dtype"]])
+    logits, k, v = run("prefill", [ids, positions, mask, np.arange(s, dtype=np.int32), cache, cache])
+    eos = manifest["generation"].get("eos_token_id")
+    eos = set(np.atleast_1d(eos).tolist()) if eos is not None else set()
+    tokens, steps, done = [], [], np.zeros(batch, bool)
+    pos = positions[:, -1:] + 1
+    for i in range(max_new_tokens):
+        steps.append(logits[:rows])
+        nxt = logits.argmax(-1).astype(np.int32)
+        tokens.append(nxt[:rows])
+        done |= np.isin(nxt, list(eos))
+        if done[:rows].all() or i == max_new_tokens - 1:
+            break
+        mask[:, s + i] = 1
+        logits, k, v = run("decode", [nxt[:, None], pos + i, mask, np.array([s + i], np.int32), k, v])
+    return np.stack(tokens, 1), np.stack(steps)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("folder", help="a mindqwen export folder (manifest.json)")
+    p.add_argument("--backend", choices=["mindspore", "lite"], default="mindspore")
+    p.add_argument("--device-id", type=int, default=0)
+    p.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--prompts", help="JSON file: a list of token-id lists (one batch)")
+    p.add_argument("--prompt", help="text (needs tokenizer/ in the export and sentencepiece or tokenizers)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--dump", help="write tokens and per-step logits to this .npz")
+    a = p.parse_args(argv)
+    with open(os.path.join(a.folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    tokenizer = load_tokenizer(a.folder, manifest) if a.prompt is not None else None
+    if a.prompts:
+        with open(a.prompts) as f:
+            prompts = json.load(f)
+    elif a.prompt_ids:
+        prompts = [[int(t) for t in a.prompt_ids.split(",")]]
+    elif tokenizer is not None:
+        encoded = tokenizer.encode(a.prompt)
+        prompts = [getattr(encoded, "ids", encoded)]  # tokenizers returns an Encoding
+    else:
+        sys.exit("give --prompt-ids, --prompts or --prompt")
+    backend = MindSporeGraphs if a.backend == "mindspore" else LiteGraphs
+    tokens, logits = generate(backend(a.folder, manifest, a.device_id), manifest, prompts, a.max_new_tokens)
+    if a.dump:
+        np.savez(a.dump, tokens=tokens, logits=logits)
+    for row in tokens.tolist():
+        print(json.dumps({"tokens": row, "text": tokenizer.decode(row) if tokenizer else None}, ensure_ascii=False))
+
+
+def load_tokenizer(folder, manifest):
+    files = [os.path.join(folder, f) for f in (manifest.get("tokenizer") or {}).get("files", [])]
+    for path in files:
+        if path.endswith(".model"):
+            import sentencepiece
+            return sentencepiece.SentencePieceProcessor(model_file=path)
+        if path.endswith("tokenizer.json"):
+            from tokenizers import Tokenizer
+            return Tokenizer.from_file(path)
+    sys.exit("this export has no tokenizer (tokenizer/*.model or tokenizer.json): use --prompt-ids")
+
+
+if __name__ == "__main__":
+    main()
