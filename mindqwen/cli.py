@@ -37,7 +37,7 @@ def cmd_train(argv: List[str]) -> None:
     with open(args.recipe, encoding="utf-8") as f:
         text = f.read() + "".join(f"\n# override: {o}" for o in args.overrides)
     summary = train_recipe(recipe, text)
-    outputs = {**summary["train"]["outputs"], "mindir": summary.get("export", {}).get("mindir")}
+    outputs = {**summary["train"]["outputs"], "export": summary.get("export", {}).get("folder")}
     if outputs.get("loss_curve") is None:
         outputs["loss_curve"] = "none (pip install matplotlib)"
     print(f"outputs in {summary['output_dir']}: summary.json, metrics.jsonl; "
@@ -153,6 +153,46 @@ def _ints(text: str, flag: str) -> List[int]:
         return [int(t) for t in text.split(",")]
     except ValueError:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_serve(argv: List[str]) -> None:
+    """Serve a model over HTTP (OpenAI-style /v1/completions, /v1/chat/completions) with dynamic batching."""
+    p = _parser(cmd_serve, "mindqwen serve Qwen2.5-0.5B-Instruct/ --tokenizer Qwen2.5-0.5B-Instruct/ --port 8000")
+    p.add_argument("model", help="HF folder")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model, tokenizer folder or qwen.tiktoken")
+    p.add_argument("--adapter", help="PEFT adapter folder to load on top")
+    p.add_argument("--recipe", help="recipe whose generation and serve sections give the defaults")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--batch-timeout-ms", type=float)
+    p.add_argument("--max-queue", type=int)
+    p.add_argument("--chat-template", choices=["qwen2.5", "qwen3"], default="qwen2.5")
+    args = p.parse_args(argv)
+    import signal
+    import threading
+
+    from mindqwen.data.preprocess import load_tokenizer
+    from mindqwen.generate import Generator, OutputFilter
+    from mindqwen.serve import Server
+    from mindqwen.train.recipe import Recipe, load_recipe
+    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
+    s, g = recipe.serve, recipe.generation
+    block = OutputFilter(g.output_filter.block, g.output_filter.action) if g.output_filter.block else None
+    generator = Generator(_load_model(args.model, args.adapter), load_tokenizer(args.tokenizer), block)
+    server = Server(generator, args.host or s.host, args.port if args.port is not None else s.port,
+                    args.max_batch_size or s.max_batch_size,
+                    args.batch_timeout_ms if args.batch_timeout_ms is not None else s.batch_timeout_ms,
+                    args.max_queue or s.max_queue, s.max_prompt_tokens, g.config(), args.chat_template)
+
+    def stop(*_):
+        print("shutting down: finishing in-flight requests", flush=True)
+        threading.Thread(target=server.shutdown).start()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    host, port = server.address
+    print(f"serving on http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /health)", flush=True)
+    server.serve_forever()
 
 
 FORMATS = ["hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore"]
@@ -285,7 +325,7 @@ def cmd_recipes(argv: List[str]) -> None:
 
 
 COMMANDS: Dict[str, Callable[[List[str]], None]] = {
-    "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "export": cmd_export,
+    "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "export": cmd_export, "serve": cmd_serve,
     "convert": cmd_convert, "merge": cmd_merge, "preprocess": cmd_preprocess, "estimate": cmd_estimate,
     "validate": cmd_validate, "recipes": cmd_recipes,
 }

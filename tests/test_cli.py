@@ -47,13 +47,19 @@ def test_eval_loss_matches_hf(tmp_path):
     assert abs(ppl / math.exp(float(ref["loss"])) - 1) < 1e-4
 
 
-def test_export_writes_a_mindir_that_reproduces_hf_logits(tmp_path):
+def test_export_writes_graphs_that_reproduce_hf_logits(tmp_path):
     ref = reference("qwen3_tiny")
-    out = tmp_path / "prefill.mindir"
-    cli("export", fixture_path("qwen3_tiny", "base"), "--output", str(out), "--batch-size", "2", "--seq-length", "16")
-    graph = ms.nn.GraphCell(ms.load(str(out)))
-    ids = ms.Tensor(ref["input_ids"].astype(np.int32))
-    logits = graph(ids, ms.Tensor(np.ones((2, 16), np.int32))).asnumpy()
+    out = tmp_path / "export"
+    r = cli("export", fixture_path("qwen3_tiny", "base"), "--output", str(out), "--batch-sizes", "2",
+            "--max-seq-len", "32", "--seq-buckets", "16")
+    assert "tokens identical = True" in r.stdout and "converter_lite is not on PATH" in r.stdout
+    graph = ms.nn.GraphCell(ms.load(str(out / "prefill.mindir")))
+    ids = ref["input_ids"].astype(np.int32)
+    cache = np.zeros((2, 2, 2, 32, 32), np.float32)  # layers, batch, KV heads, slots, head_dim
+    mask = np.zeros((2, 32), np.int32)
+    mask[:, :16] = 1
+    logits = graph(*map(ms.Tensor, (ids, np.tile(np.arange(16, dtype=np.int32), (2, 1)), mask,
+                                    np.arange(16, dtype=np.int32), cache, cache)))[0].asnumpy()
     np.testing.assert_allclose(logits, ref["logits"][:, -1], atol=5e-5)
 
 
