@@ -272,22 +272,33 @@ def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
     config = config or LoraConfig()
     if lora_layers(model):
         raise ValueError("the model already has LoRA layers; merge_and_unload() it first")
-    linears = [(path, cell) for path, cell in model.cells_and_names() if isinstance(cell, Linear)]
+    _check_modules_to_save(model, config.modules_to_save)
+    inject_lora(model, config)
+    model.lora_config = config
+    mark_only_lora_trainable(model)
+    invalidate_compiled_graphs(model)
+    return model
+
+
+def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str]:
+    """Replace every ``Linear`` under ``root`` that ``config`` targets by a ``LoRALayer``
+    (trainability is left to the caller); returns the replaced paths.
+
+    ``prefix`` is prepended to the module paths that name the LoRA parameters, for a ``root``
+    that lives inside a larger model (``vision.`` …).
+    """
+    linears = [(path, cell) for path, cell in root.cells_and_names() if isinstance(cell, Linear)]
     targets = [(path, cell) for path, cell in linears if config.matches(path)]
     if not targets:
         names = sorted({p.rsplit(".", 1)[-1] for p, _ in linears})
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module "
                          f"(layers_to_transform={config.layers_to_transform}); linear modules are: "
                          f"{', '.join(names)}")
-    _check_modules_to_save(model, config.modules_to_save)
-    cells = dict(model.cells_and_names())
+    cells = dict(root.cells_and_names())
     for path, base in targets:
         parent, _, child = path.rpartition(".")
-        cells[parent].insert_child_to_cell(child, LoRALayer(base, config, path))
-    model.lora_config = config
-    mark_only_lora_trainable(model)
-    invalidate_compiled_graphs(model)
-    return model
+        cells[parent].insert_child_to_cell(child, LoRALayer(base, config, prefix + path))
+    return [path for path, _ in targets]
 
 
 def mark_only_lora_trainable(model: nn.Cell) -> None:

@@ -302,6 +302,19 @@ class QwenModel(nn.Cell):
         Returns the normed last hidden state (B, S, H), and with ``output_hidden_states`` also
         the tuple HF returns: embeddings, the input of every later layer, the normed output.
         """
+        x, cos, sin, masked, window_masked = self.prepare(input_ids, attention_mask)
+        hidden_states = ()
+        for layer in self.layers:
+            hidden_states = hidden_states + (x,)
+            x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
+        x = self.norm(x)
+        if output_hidden_states:
+            return x, hidden_states + (x,)
+        return x
+
+    def prepare(self, input_ids, attention_mask=None):
+        """Embeddings (B, S, H), rotary cos/sin (B, 1, S, D) and the masks (B, 1, S, S) of the
+        full and the sliding-window layers: what every decoder layer takes."""
         b, s = input_ids.shape
         idx = ops.arange(0, s, dtype=ms.int32)
         masked = idx.reshape(1, s) > idx.reshape(s, 1)  # (S_q, S_k): future keys
@@ -320,18 +333,10 @@ class QwenModel(nn.Cell):
             too_old = idx.reshape(s, 1) - idx.reshape(1, s) >= self.sliding_window
             window_masked = ops.logical_or(masked, too_old.reshape(1, 1, s, s))
         cos, sin = self.rotary_emb(position_ids)
-
         x = self.embed_tokens(input_ids)
         if self.hidden_dtype is not None:  # AMP O2/O3: the residual stream in low precision
             x = x.astype(self.hidden_dtype)
-        hidden_states = ()
-        for layer in self.layers:
-            hidden_states = hidden_states + (x,)
-            x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
-        x = self.norm(x)
-        if output_hidden_states:
-            return x, hidden_states + (x,)
-        return x
+        return x, cos, sin, masked, window_masked
 
     def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
         """One generation step over T new tokens with a static-shape KV cache.

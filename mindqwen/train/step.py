@@ -25,15 +25,26 @@ _hyper_map = ops.HyperMap()
 CLIP_EPS = 1e-6  # as torch's clip_grad_norm_
 
 
-class ScaledLoss(nn.Cell):
-    """model(ids, labels=labels) × loss scale: the function the gradients are taken of."""
+class CausalLMLoss(nn.Cell):
+    """The default loss: ``model(input_ids, labels=labels)`` of a causal LM."""
 
-    def __init__(self, model: nn.Cell, scaler: ms.amp.DynamicLossScaler):
+    def __init__(self, model: nn.Cell):
         super().__init__(auto_prefix=False)
-        self.model, self.scaler = model, scaler
+        self.model = model
 
     def construct(self, input_ids, labels):
-        return self.scaler.scale(self.model(input_ids, None, labels))
+        return self.model(input_ids, None, labels)
+
+
+class ScaledLoss(nn.Cell):
+    """loss_net(*batch) × loss scale: the function the gradients are taken of."""
+
+    def __init__(self, loss_net: nn.Cell, scaler: ms.amp.DynamicLossScaler):
+        super().__init__(auto_prefix=False)
+        self.loss_net, self.scaler = loss_net, scaler
+
+    def construct(self, *batch):
+        return self.scaler.scale(self.loss_net(*batch))
 
 
 class GradStep(nn.Cell):
@@ -43,19 +54,19 @@ class GradStep(nn.Cell):
     micro-batches that flow through the stages; loss and gradients are their sums.
     """
 
-    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
+    def __init__(self, loss_net: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
                  world: int = 1, pipeline_micro_batches: int = 1):
         super().__init__(auto_prefix=False)
         self.scaler, self.world = scaler, world
-        loss_net = ScaledLoss(model, scaler)
+        loss_net = ScaledLoss(loss_net, scaler)
         if pipeline_micro_batches > 1:
             loss_net = nn.PipelineCell(loss_net, pipeline_micro_batches)
         self.pipeline_micro_batches = float(pipeline_micro_batches)
         self.grad_fn = ms.value_and_grad(loss_net, None, optimizer.parameters)
         self.all_reduce = ops.AllReduce() if world > 1 else None
 
-    def construct(self, input_ids, labels):
-        scaled_loss, grads = self.grad_fn(input_ids, labels)
+    def construct(self, *batch):
+        scaled_loss, grads = self.grad_fn(*batch)
         loss = self.scaler.unscale(scaled_loss) / self.pipeline_micro_batches
         if self.all_reduce is not None:
             loss = self.all_reduce(loss) / self.world
@@ -105,8 +116,8 @@ class TrainStep(nn.Cell):
         self.grad_step, self.update = grad_step, update
         self.divisor = ms.Tensor(float(divisor), ms.float32) if divisor > 1 else None
 
-    def construct(self, input_ids, labels):
-        loss, grads = self.grad_step(input_ids, labels)
+    def construct(self, *batch):
+        loss, grads = self.grad_step(*batch)
         finite, norm = self.update(grads, self.divisor)
         return loss, finite, norm
 
@@ -118,8 +129,8 @@ class AccumulateStep(nn.Cell):
         super().__init__(auto_prefix=False)
         self.grad_step, self.accumulators = grad_step, accumulators
 
-    def construct(self, input_ids, labels):
-        loss, grads = self.grad_step(input_ids, labels)
+    def construct(self, *batch):
+        loss, grads = self.grad_step(*batch)
         return ops.depend(loss, _hyper_map(ops.assign_add, self.accumulators, grads))
 
 
@@ -142,6 +153,8 @@ class Stepper:
 
     Args:
         model: the network (``model(ids, None, labels)`` returns the loss).
+        loss_net: what the batches feed, returning the loss (default ``CausalLMLoss(model)``:
+            batches of (input_ids, labels)); e.g. a multimodal loss over (ids, pixels, labels).
         optimizer: over the trainable parameters.
         scaler: loss scaler (scale 1 and ``dynamic_scaling=False`` outside fp16).
         micro_batches: gradient accumulation factor.
@@ -153,7 +166,8 @@ class Stepper:
 
     def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler,
                  micro_batches: int = 1, clip_norm: float = 1.0, dynamic_scaling: bool = False,
-                 world: int = 1, parallel: Optional[ParallelConfig] = None):
+                 world: int = 1, parallel: Optional[ParallelConfig] = None,
+                 loss_net: Optional[nn.Cell] = None):
         pipeline = 1
         if parallel is not None and parallel.model_parallel:
             pipeline = parallel.pipeline_micro_batches if parallel.pipeline_parallel > 1 else 1
@@ -161,7 +175,7 @@ class Stepper:
             world = 1  # semi-auto parallel: loss and gradients come out already reduced
         else:
             reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
-        grad_step = GradStep(model, optimizer, scaler, world, pipeline)
+        grad_step = GradStep(loss_net or CausalLMLoss(model), optimizer, scaler, world, pipeline)
         update = ApplyGrads(optimizer, scaler, clip_norm, dynamic_scaling, reducer)
         self.micro_batches = micro_batches
         if micro_batches == 1:
@@ -174,12 +188,12 @@ class Stepper:
             self.apply = ApplyAccumulated(update, accumulators, micro_batches * pipeline)
 
     def __call__(self, batches):
-        """batches: ``micro_batches`` (input_ids, labels) Tensor pairs → (mean loss, finite, norm)."""
+        """batches: ``micro_batches`` Tensor tuples (default (input_ids, labels)) → (mean loss, finite, norm)."""
         if self.micro_batches == 1:
-            (ids, labels), = batches
-            loss, finite, norm = self.step(ids, labels)
+            batch, = batches
+            loss, finite, norm = self.step(*batch)
             return float(loss.asnumpy()), bool(finite.asnumpy()), float(norm.asnumpy())
-        losses = [self.accumulate(ids, labels) for ids, labels in batches]
+        losses = [self.accumulate(*batch) for batch in batches]
         finite, norm = self.apply()
         return (sum(float(x.asnumpy()) for x in losses) / len(losses), bool(finite.asnumpy()),
                 float(norm.asnumpy()))

@@ -1,0 +1,158 @@
+"""A Qwen language model fused with a vision encoder through gated cross-attention, and the one
+place that decides what trains: ``MultimodalLoraConfig``.
+
+    pixels ─► vision (ViT) ─► projector ─► vision tokens (B, Nv, H) ──────────────┐
+    input_ids ─► embed ─► layer 0 … layer i ─► cross_attn[i] ─► … ─► norm ─► logits
+                                               (only after the layers in ``cross_layers``)
+
+The language model is held as it is: its parameters keep their names (``model.layers.0…``,
+``lm_head.weight``), so its checkpoint loads and saves unchanged. The new blocks live beside the
+decoder layers under ``vision.``, ``projector.`` and ``cross_attn.<k>.``. With every gate at zero
+(the initial state) the fused model computes exactly the text model's logits.
+
+Groups and policies: ``vision``, ``projector``, ``text``, ``cross_attention``, each ``frozen``
+(no gradient), ``lora`` (LoRA A/B of its targeted projections train; for cross-attention the
+gates too, or no signal could pass) or ``full`` (every parameter of the group trains).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from mindqwen.lora import LoraConfig, inject_lora
+from mindqwen.models.graph import invalidate_compiled_graphs
+from mindqwen.models.qwen import QwenForCausalLM
+from mindqwen.multimodal.cross_attention import GatedCrossAttention
+from mindqwen.multimodal.vision import Projector, VisionConfig, VisionEncoder
+
+GROUPS = ("vision", "projector", "text", "cross_attention")
+MODES = ("frozen", "lora", "full")
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@dataclass
+class GroupPolicy:
+    """How one group trains: ``mode`` frozen | lora | full; LoRA ``r``, ``lora_alpha`` and targets."""
+
+    mode: str = "frozen"
+    r: int = 8
+    lora_alpha: float = 16.0
+    target_modules: List[str] = field(default_factory=lambda: list(ATTENTION))
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"policy mode must be one of {MODES}, got {self.mode!r}")
+
+
+@dataclass
+class MultimodalLoraConfig:
+    """Per group policy, in one place. Defaults are the seeds' ``MultimodalLoRA(r=8)`` with a
+    ``CrossAttentionLoRA(r=4)``: vision LoRA r 8 on attention, projector trained fully, text
+    LoRA r 8 on q/v, cross-attention LoRA r 4 on q/k/v/o (+ gates).
+
+    Attributes:
+        temporal_r: video only: LoRA rank of the temporal attention projections; the spatial
+            ones use ``vision.r`` (defaults 4 and 8).
+    """
+
+    vision: GroupPolicy = field(default_factory=lambda: GroupPolicy("lora", 8, 16.0, [f"attn.{p}" for p in ATTENTION]))
+    projector: GroupPolicy = field(default_factory=lambda: GroupPolicy("full", target_modules=["linear_1", "linear_2"]))
+    text: GroupPolicy = field(default_factory=lambda: GroupPolicy("lora", 8, 16.0, ["q_proj", "v_proj"]))
+    cross_attention: GroupPolicy = field(default_factory=lambda: GroupPolicy("lora", 4, 8.0, list(ATTENTION)))
+    temporal_r: int = 4
+
+
+class MultimodalQwen(nn.Cell):
+    """A ``QwenForCausalLM`` with a vision encoder, a projector and gated cross-attention blocks.
+
+    Args:
+        lm: the language model (used as is, keys unchanged).
+        vision_config: the encoder's shape (``num_frames`` > 1: video).
+        cross_layers: decoder layer indices followed by a cross-attention block.
+        image_token_id: the placeholder id; text from it on sees the image (None: all text does).
+    """
+
+    def __init__(self, lm: QwenForCausalLM, vision_config: VisionConfig, cross_layers: Sequence[int],
+                 image_token_id: Optional[int] = None):
+        super().__init__(auto_prefix=False)  # the LM's parameter names stay as they are
+        c = lm.config
+        bad = [i for i in cross_layers if not 0 <= i < c.num_hidden_layers]
+        if bad or not cross_layers or len(set(cross_layers)) != len(cross_layers):
+            raise ValueError(f"cross_layers must be distinct decoder layer indices in 0..{c.num_hidden_layers - 1}, "
+                             f"got {list(cross_layers)}")
+        self.lm, self.config, self.vision_config = lm, c, vision_config
+        self.vision = VisionEncoder(vision_config)
+        self.projector = Projector(vision_config.hidden_size, c.hidden_size)
+        self.cross_attn = nn.CellList([GatedCrossAttention(c.hidden_size, c.num_attention_heads, c.rms_norm_eps)
+                                       for _ in cross_layers])
+        for name in ("vision", "projector", "cross_attn"):
+            getattr(self, name).update_parameters_name(name + ".")
+        order = sorted(cross_layers)
+        self.cross_after = tuple(order.index(i) if i in order else -1 for i in range(c.num_hidden_layers))
+        self.cross_layers = order
+        self.image_token_id = image_token_id
+
+    def construct(self, input_ids, pixel_values, attention_mask=None, labels=None):
+        """input_ids (B, S); pixel_values (B, 3, H, W) or (B, T, 3, H, W) → logits (B, S, V) or the loss."""
+        vision = self.projector(self.vision(pixel_values))  # (B, Nv, H)
+        if self.image_token_id is None:
+            vision_mask = ops.ones(input_ids.shape + (1,), ms.float32)
+        else:
+            seen = ops.cumsum((input_ids == self.image_token_id).astype(ms.int32), 1)
+            vision_mask = (seen > 0).astype(ms.float32).expand_dims(-1)  # (B, S, 1)
+        x, cos, sin, masked, window_masked = self.lm.model.prepare(input_ids, attention_mask)
+        for i, layer in enumerate(self.lm.model.layers):
+            x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
+            if self.cross_after[i] >= 0:
+                x = self.cross_attn[self.cross_after[i]](x, vision, vision_mask)
+        logits = self.lm.logits(self.lm.model.norm(x))
+        if labels is None:
+            return logits
+        return self.lm.loss(logits, labels)
+
+    def groups(self) -> Dict[str, nn.Cell]:
+        return {"vision": self.vision, "projector": self.projector, "text": self.lm,
+                "cross_attention": self.cross_attn}
+
+
+def group_of(name: str) -> str:
+    """The group a parameter name belongs to."""
+    for prefix, group in (("vision.", "vision"), ("projector.", "projector"), ("cross_attn.", "cross_attention")):
+        if name.startswith(prefix):
+            return group
+    return "text"
+
+
+def apply_multimodal_lora(model: MultimodalQwen, config: Optional[MultimodalLoraConfig] = None) -> MultimodalQwen:
+    """Inject LoRA into the ``lora`` groups and set every parameter's trainability from ``config``."""
+    config = config or MultimodalLoraConfig()
+    prefixes = {"vision": "vision.", "projector": "projector.", "text": "", "cross_attention": "cross_attn."}
+    for group, cell in model.groups().items():
+        policy: GroupPolicy = getattr(config, group)
+        if policy.mode != "lora":
+            continue
+        targets = policy.target_modules
+        if group == "vision" and model.vision_config.num_frames > 1:  # spatial and temporal ranks differ
+            temporal = LoraConfig(r=config.temporal_r, lora_alpha=policy.lora_alpha * config.temporal_r / policy.r,
+                                  target_modules=[f"temporal_attn.{p}" for p in ATTENTION])
+            inject_lora(cell, temporal, prefixes[group])
+        inject_lora(cell, LoraConfig(r=policy.r, lora_alpha=policy.lora_alpha, target_modules=targets), prefixes[group])
+    for p in model.get_parameters():
+        mode = getattr(config, group_of(p.name)).mode
+        is_adapter = p.name.endswith((".lora_a", ".lora_b")) or (group_of(p.name) == "cross_attention"
+                                                                  and p.name.endswith(".gate"))
+        p.requires_grad = mode == "full" or (mode == "lora" and is_adapter)
+    model.multimodal_lora_config = config
+    invalidate_compiled_graphs(model)
+    return model
+
+
+def trainable_by_group(model: MultimodalQwen) -> Dict[str, int]:
+    """Trainable parameter count per group."""
+    counts = {g: 0 for g in GROUPS}
+    for p in model.trainable_params():
+        counts[group_of(p.name)] += int(p.size)
+    return counts

@@ -1,0 +1,198 @@
+"""Multimodal fusion: zero gate = the text model, LM keys unchanged, gradients per group policy,
+trainable counts in closed form (image and video), the image pipeline."""
+import itertools
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from conftest import fixture_path
+from mindqwen import from_pretrained
+from mindqwen.lora import lora_layers
+from mindqwen.multimodal.data import apply_transforms, encode_caption, image_transforms, load_image
+from mindqwen.multimodal.fusion import (GROUPS, MODES, GroupPolicy, MultimodalLoraConfig, MultimodalQwen,
+                                        apply_multimodal_lora, group_of, trainable_by_group)
+from mindqwen.multimodal.vision import VisionConfig
+
+VISION = dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=64)
+IMAGE_TOKEN = 7
+
+
+def _fused(frames=1, cross_layers=(0, 1)):
+    lm = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    return lm, MultimodalQwen(lm, VisionConfig(**VISION, num_frames=frames), list(cross_layers), IMAGE_TOKEN)
+
+
+def _inputs(frames=1, batch=2):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(8, 512, (batch, 12)).astype(np.int32)
+    ids[:, 3] = IMAGE_TOKEN
+    shape = (batch, 3, 16, 16) if frames == 1 else (batch, frames, 3, 16, 16)
+    return Tensor(ids), Tensor(rng.normal(0, 1, shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("frames", [1, 4])
+def test_zero_gate_gives_the_text_model_and_keeps_lm_keys(frames):
+    lm = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    before = {p.name: p.asnumpy().copy() for p in lm.get_parameters()}
+    ids, pixels = _inputs(frames)
+    text = lm(ids).asnumpy()
+    fused = MultimodalQwen(lm, VisionConfig(**VISION, num_frames=frames), [0, 1], IMAGE_TOKEN)
+    assert np.abs(fused(ids, pixels).asnumpy() - text).max() <= 1e-6
+    lm_names = [p.name for p in fused.get_parameters() if group_of(p.name) == "text"]
+    assert lm_names == list(before)  # same keys, same order: the LM checkpoint loads and saves as is
+    assert all(np.array_equal(p.asnumpy(), before[p.name]) for p in lm.get_parameters())
+    others = {p.name.split(".")[0] for p in fused.get_parameters() if p.name not in before}
+    assert others == {"vision", "projector", "cross_attn"}
+
+
+def _open_gates_and_adapters(model):
+    rng = np.random.default_rng(1)
+    for block in model.cross_attn:
+        block.gate.set_data(Tensor(np.array([0.5], np.float32)))
+    for layer in lora_layers(model).values():  # B starts at zero: give A a gradient too
+        layer.lora_b.set_data(Tensor(rng.normal(0, 0.1, layer.lora_b.shape).astype(np.float32)))
+
+
+def _policy(modes):
+    return MultimodalLoraConfig(**{g: GroupPolicy(m, **_targets(g)) for g, m in zip(GROUPS, modes)})
+
+
+def test_every_policy_combination_trains_exactly_its_groups():
+    """All 81 combinations of frozen | lora | full over the four groups: which parameters train."""
+    for modes in itertools.product(MODES, repeat=len(GROUPS)):
+        _, model = _fused()
+        apply_multimodal_lora(model, _policy(modes))
+        trained = {p.name for p in model.trainable_params()}
+        for g, m in zip(GROUPS, modes):
+            names = {p.name for p in model.get_parameters() if group_of(p.name) == g}
+            mine = names & trained
+            if m == "frozen":
+                assert not mine, (modes, g)
+            elif m == "full":
+                assert mine == names, (modes, g)
+            else:
+                adapters = {n for n in names if n.endswith((".lora_a", ".lora_b"))
+                            or (g == "cross_attention" and n.endswith(".gate"))}
+                assert mine == adapters and adapters, (modes, g)
+
+
+# An L9 orthogonal array: each group takes each mode three times and every pair of groups meets
+# every pair of modes once, so nine gradient runs cover all pairwise interactions.
+L9 = [(0, 0, 0, 0), (0, 1, 1, 1), (0, 2, 2, 2), (1, 0, 1, 2), (1, 1, 2, 0), (1, 2, 0, 1),
+      (2, 0, 2, 1), (2, 1, 0, 2), (2, 2, 1, 0)]
+
+
+@pytest.mark.parametrize("levels", L9, ids=lambda lv: "-".join(MODES[i][0] for i in lv))
+def test_gradients_reach_exactly_the_trained_groups(levels):
+    modes = [MODES[i] for i in levels]
+    _, model = _fused()
+    apply_multimodal_lora(model, _policy(modes))
+    _open_gates_and_adapters(model)
+    params = model.trainable_params()
+    expected = {g for g, m in zip(GROUPS, modes) if m != "frozen"}
+    assert {group_of(p.name) for p in params} == expected  # frozen groups are absent
+    ids, pixels = _inputs()
+    grads = ms.grad(lambda i, x: model(i, x, labels=i), grad_position=None, weights=params)(ids, pixels)
+    norms = {g: 0.0 for g in expected}
+    for p, g in zip(params, grads):
+        norms[group_of(p.name)] += float(np.square(g.asnumpy()).sum())
+    assert all(v > 0 for v in norms.values()), norms  # every trained group gets a signal
+
+
+def _targets(group):
+    return {"vision": {"target_modules": ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj"]},
+            "projector": {"target_modules": ["linear_1", "linear_2"]},
+            "text": {"target_modules": ["q_proj", "v_proj"]},
+            "cross_attention": {"r": 4}}[group]
+
+
+def test_trainable_counts_equal_closed_form_image():
+    _, model = _fused()
+    apply_multimodal_lora(model)  # defaults: vision lora r8 (attention), projector full, text lora r8 (q, v), xattn lora r4
+    c = model.config  # qwen2_tiny: hidden 64, 2 layers, KV width 32
+    h, kv, dv, lv = c.hidden_size, c.num_key_value_heads * c.head_dim, VISION["hidden_size"], VISION["num_hidden_layers"]
+    expected = {
+        "vision": lv * 4 * 8 * (dv + dv),
+        "projector": (dv * h + h) + (h * h + h),
+        "text": c.num_hidden_layers * (8 * (h + h) + 8 * (h + kv)),
+        "cross_attention": 2 * (4 * 4 * (h + h) + 1),  # 2 blocks: q/k/v/o LoRA r4 + the gate
+    }
+    assert trainable_by_group(model) == expected
+
+
+def test_trainable_counts_equal_closed_form_video_with_distinct_ranks():
+    _, model = _fused(frames=4)
+    apply_multimodal_lora(model, MultimodalLoraConfig(temporal_r=4))  # spatial r 8 (vision.r), temporal r 4
+    dv, lv = VISION["hidden_size"], VISION["num_hidden_layers"]
+    counts = trainable_by_group(model)
+    spatial = sum(int(p.size) for p in model.trainable_params() if ".attn." in p.name and p.name.startswith("vision."))
+    temporal = sum(int(p.size) for p in model.trainable_params() if ".temporal_attn." in p.name)
+    assert spatial == lv * 4 * 8 * 2 * dv and temporal == lv * 4 * 4 * 2 * dv
+    assert counts["vision"] == spatial + temporal
+    ranks = {layer.lora_a.shape[0] for path, layer in lora_layers(model).items() if "temporal_attn" in path}
+    assert ranks == {4}
+
+
+def test_temporal_attention_mixes_frames():
+    """Frame 0's features depend on frame 3's pixels only through temporal attention."""
+    _, model = _fused(frames=4)
+    _, pixels = _inputs(frames=4)
+    changed = pixels.asnumpy().copy()
+    changed[:, 3] += 1.0
+    n = (VISION["image_size"] // VISION["patch_size"]) ** 2
+    a = model.vision(pixels).asnumpy()[:, :n]  # (B, T·N, D): frame 0's patches first
+    b = model.vision(Tensor(changed)).asnumpy()[:, :n]
+    assert np.abs(a - b).max() > 1e-3
+    spatial_only = MultimodalQwen(from_pretrained(fixture_path("qwen2_tiny", "base")),
+                                  VisionConfig(**VISION), [0], IMAGE_TOKEN)
+    frames = pixels.asnumpy()
+    one = spatial_only.vision(Tensor(frames[:, 0])).asnumpy()
+    assert one.shape == (2, n, VISION["hidden_size"])
+
+
+@pytest.mark.parametrize("size", [(300, 500), (97, 61), (224, 224), (1000, 240)])
+def test_transforms_give_3x224x224(size, tmp_path):
+    from PIL import Image
+    h, w = size
+    path = str(tmp_path / "img.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (h, w, 4), dtype=np.uint8), "RGBA").save(path)
+    out = apply_transforms(load_image(path), image_transforms(224))
+    assert out.shape == (3, 224, 224) and out.dtype == np.float32
+    # A constant grey image normalises to (0.5 - mean) / std per channel.
+    grey = apply_transforms(np.full((h, w, 3), 128, np.uint8), image_transforms(224))
+    expected = (128 / 255 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    assert np.allclose(grey.mean((1, 2)), expected, atol=1e-5)
+
+
+def test_corrupt_image_names_the_file(tmp_path):
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(ValueError, match="broken.jpg: cannot read the image"):
+        load_image(str(bad))
+    with pytest.raises(ValueError, match="missing.png"):
+        load_image(str(tmp_path / "missing.png"))
+
+
+class WordTokenizer:
+    """Test double: one id per word (ids from 10), EOS 1, pad 2."""
+
+    eos_token_id, pad_token_id = 1, 2
+
+    def __init__(self):
+        self.vocab = {}
+
+    def encode(self, text):
+        return [self.vocab.setdefault(w, 10 + len(self.vocab)) for w in text.split()]
+
+
+def test_caption_loss_covers_only_the_caption():
+    tok = WordTokenizer()
+    ids, labels = encode_caption(tok, "a red square", IMAGE_TOKEN, 32)
+    kept = ids[labels != -100].tolist()
+    assert kept == tok.encode("a red square") + [1]
+    assert IMAGE_TOKEN in ids.tolist() and ids.tolist().index(IMAGE_TOKEN) < int(np.argmax(labels != -100))
+    with pytest.raises(ValueError, match="do not fit"):
+        encode_caption(tok, "word " * 40, IMAGE_TOKEN, 32)
