@@ -20,7 +20,8 @@ from mindspore import Tensor, nn, ops
 
 from mindqwen.config import QwenConfig
 from mindqwen.models.qwen import IGNORE_INDEX, QwenForCausalLM
-from mindqwen.multimodal.data import apply_transforms, encode_caption, image_transforms
+from mindqwen.data.chat import render
+from mindqwen.multimodal.data import PROMPT, apply_transforms, encode_caption, image_transforms
 from mindqwen.multimodal.fusion import (MultimodalLoraConfig, MultimodalQwen, apply_multimodal_lora,
                                         trainable_by_group)
 from mindqwen.multimodal.synthetic import make_captioned_images
@@ -35,6 +36,8 @@ class ShapesDemoConfig:
     """Sizes and steps of the demo (defaults: a few minutes on 2 CPU cores)."""
 
     image_size: int = 32
+    template: str = "qwen3"  # no default system prompt: short rows
+    vocab_size: int = 96
     train_images: int = 3000
     eval_images: int = 200
     seq_length: int = 48
@@ -72,7 +75,7 @@ class CaptionLogits(nn.Cell):
         return ops.argmax(self.model(input_ids, pixel_values), -1).astype(ms.int32)
 
 
-def caption_exact_match(model: MultimodalQwen, pixels: np.ndarray, ids: np.ndarray, labels: np.ndarray,
+def caption_exact_match(model: MultimodalQwen, ids: np.ndarray, pixels: np.ndarray, labels: np.ndarray,
                         batch_size: int = 50) -> float:
     """Fraction of captions whose every token (EOS included) is the argmax given the prefix."""
     was = model.training
@@ -90,8 +93,8 @@ def caption_exact_match(model: MultimodalQwen, pixels: np.ndarray, ids: np.ndarr
 def _encode(records, tokenizer, image_token_id: int, config: ShapesDemoConfig) -> Tuple[np.ndarray, ...]:
     transforms = image_transforms(config.image_size)
     pixels = np.stack([apply_transforms(img, transforms) for img, _ in records])
-    pairs = [encode_caption(tokenizer, c, image_token_id, config.seq_length) for _, c in records]
-    return pixels, np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    pairs = [encode_caption(tokenizer, c, image_token_id, config.seq_length, config.template) for _, c in records]
+    return np.stack([p[0] for p in pairs]), pixels, np.stack([p[1] for p in pairs])  # the CaptionLoss order
 
 
 def _train(stepper: Stepper, batches, steps: int, batch_size: int, seed: int, label: str) -> List[float]:
@@ -116,8 +119,9 @@ def run_shapes_demo(output_dir: str, config: Optional[ShapesDemoConfig] = None) 
     os.makedirs(output_dir, exist_ok=True)
     train = make_captioned_images(config.train_images, config.image_size, config.seed)
     held_out = make_captioned_images(config.eval_images, config.image_size, config.seed + 1)
-    tokenizer = train_sentencepiece([c for _, c in train] * 4 + ["Describe the image. user assistant"],
-                                    os.path.join(output_dir, "tokenizer.model"), 48)
+    prompt = render([{"role": "user", "content": PROMPT}], config.template, add_generation_prompt=True)[0]
+    tokenizer = train_sentencepiece([c for _, c in train] + [prompt] * 200, os.path.join(output_dir, "tokenizer.model"),
+                                    config.vocab_size)
     image_token_id = tokenizer.vocab_size  # one id past SentencePiece's pieces
     lm = QwenForCausalLM(QwenConfig(vocab_size=tokenizer.vocab_size + 1, **config.text))
     train_data, eval_data = _encode(train, tokenizer, image_token_id, config), _encode(held_out, tokenizer,
@@ -126,7 +130,7 @@ def run_shapes_demo(output_dir: str, config: Optional[ShapesDemoConfig] = None) 
     lm.set_train(True)
     text_opt = make_optimizer(lm.trainable_params(), WarmupSchedule("cosine", config.lr, config.text_steps, 20))
     scaler = make_loss_scaler(PrecisionConfig())
-    _train(Stepper(lm, text_opt, scaler, clip_norm=1.0), train_data[1:], config.text_steps, config.batch_size,
+    _train(Stepper(lm, text_opt, scaler, clip_norm=1.0), (train_data[0], train_data[2]), config.text_steps, config.batch_size,
            config.seed, "text")
     # 2. fuse, apply the group policies, train on images
     model = MultimodalQwen(lm, VisionConfig(image_size=config.image_size, **config.vision), config.cross_layers,

@@ -17,9 +17,9 @@ from typing import Dict
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore.common.initializer import initializer
 
-from mindqwen.models.qwen import INIT_STD, Linear
+from mindqwen.models.qwen import Linear
 
 
 @dataclass
@@ -139,11 +139,15 @@ class VisionEncoder(nn.Cell):
         self.config = config
         c, p, d = config.num_channels, config.patch_size, config.hidden_size
         self.patch_embed = Linear(c * p * p, d, True)  # a stride-p conv written as a matmul
-        self.pos_embed = Parameter(initializer(Normal(INIT_STD), (1, config.num_patches, d)), name="pos_embed")
+        # Fixed-start sin-cos tables (MAE's), learnable: a N(0, 0.02) start hides where a patch is.
+        grid = config.image_size // p
+        rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+        pos = np.concatenate([sincos(rows.reshape(-1), d // 2), sincos(cols.reshape(-1), d - d // 2)], 1)
+        self.pos_embed = Parameter(Tensor(pos[None].astype(np.float32)), name="pos_embed")  # (1, N, D)
         self.video = config.num_frames > 1
         if self.video:
-            self.time_embed = Parameter(initializer(Normal(INIT_STD), (1, config.num_frames, 1, d)),
-                                        name="time_embed")
+            frames = sincos(np.arange(config.num_frames), d)
+            self.time_embed = Parameter(Tensor(frames[None, :, None].astype(np.float32)), name="time_embed")
         self.blocks = nn.CellList([Block(config, self.video) for _ in range(config.num_hidden_layers)])
         self.norm = LayerNorm(d, config.layer_norm_eps)
         self.grid, self.patch = config.image_size // p, p
@@ -165,6 +169,14 @@ class VisionEncoder(nn.Cell):
             h = block(h)
         h = self.norm(h)
         return h.reshape(-1, frames * g * g, h.shape[-1])  # (B, T·N, D)
+
+
+def sincos(positions: np.ndarray, dim: int) -> np.ndarray:
+    """(len(positions), dim) sin/cos features at frequencies 1/10000^(2i/dim)."""
+    freqs = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) * 2 / dim)
+    angles = positions[:, None].astype(np.float64) * freqs[None]
+    out = np.concatenate([np.sin(angles), np.cos(angles)], 1)
+    return np.pad(out, ((0, 0), (0, dim - out.shape[1])))
 
 
 class Projector(nn.Cell):
