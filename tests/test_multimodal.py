@@ -13,7 +13,7 @@ from mindqwen.lora import lora_layers
 from mindqwen.multimodal.data import apply_transforms, encode_caption, image_transforms, load_image
 from mindqwen.multimodal.fusion import (GROUPS, MODES, GroupPolicy, MultimodalLoraConfig, MultimodalQwen,
                                         apply_multimodal_lora, group_of, trainable_by_group)
-from mindqwen.multimodal.vision import VisionConfig
+from mindqwen.multimodal.vision import VIT_HF_KEYS, VisionConfig, load_vit_weights
 
 VISION = dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               intermediate_size=64)
@@ -146,11 +146,35 @@ def test_temporal_attention_mixes_frames():
     a = model.vision(pixels).asnumpy()[:, :n]  # (B, T·N, D): frame 0's patches first
     b = model.vision(Tensor(changed)).asnumpy()[:, :n]
     assert np.abs(a - b).max() > 1e-3
-    spatial_only = MultimodalQwen(from_pretrained(fixture_path("qwen2_tiny", "base")),
-                                  VisionConfig(**VISION), [0], IMAGE_TOKEN)
-    frames = pixels.asnumpy()
-    one = spatial_only.vision(Tensor(frames[:, 0])).asnumpy()
-    assert one.shape == (2, n, VISION["hidden_size"])
+
+
+def test_hf_vit_weights_load_by_key_map():
+    """HF ViT names and layouts: conv kernel (D, 3, p, p) → (D, 3·p·p), CLS position dropped."""
+    _, model = _fused()
+    rng = np.random.default_rng(2)
+    d, p, n = VISION["hidden_size"], VISION["patch_size"], (VISION["image_size"] // VISION["patch_size"]) ** 2
+    tensors = {"vit.embeddings.cls_token": rng.normal(size=(1, 1, d)),
+               "vit.embeddings.patch_embeddings.projection.weight": rng.normal(size=(d, 3, p, p)),
+               "vit.embeddings.position_embeddings": rng.normal(size=(1, n + 1, d))}
+    for hf_name, ours in VIT_HF_KEYS.items():
+        for i in range(VISION["num_hidden_layers"] if "{i}" in hf_name else 1):
+            key = "vit." + hf_name.replace("{i}", str(i))
+            if key not in tensors:
+                shape = {p_.name: p_.shape for p_ in model.vision.get_parameters()}["vision." + ours.replace("{i}", str(i))]
+                tensors[key] = rng.normal(size=shape)
+    load_vit_weights(model.vision, tensors, "vit.safetensors")
+    params = {q.name: q.asnumpy() for q in model.vision.get_parameters()}
+    kernel = tensors["vit.embeddings.patch_embeddings.projection.weight"]
+    assert np.allclose(params["vision.patch_embed.weight"], kernel.reshape(d, -1))
+    assert np.allclose(params["vision.pos_embed"], tensors["vit.embeddings.position_embeddings"][:, 1:])
+    assert np.allclose(params["vision.blocks.1.mlp.fc2.bias"], tensors["vit.encoder.layer.1.output.dense.bias"])
+    del tensors["vit.layernorm.bias"]
+    tensors["vit.layernorm.weight"] = tensors["vit.layernorm.weight"] + 1
+    with pytest.raises(ValueError, match=r"vit.safetensors: missing ViT tensors for \['vision.norm.bias'\]"):
+        load_vit_weights(model.vision, tensors, "vit.safetensors")
+    with pytest.raises(ValueError, match="vit.safetensors: vit.extra: not a ViT tensor"):
+        load_vit_weights(model.vision, {"vit.extra": np.zeros(1)}, "vit.safetensors")
+    assert np.array_equal(model.vision.norm.weight.asnumpy(), params["vision.norm.weight"])  # untouched
 
 
 @pytest.mark.parametrize("size", [(300, 500), (97, 61), (224, 224), (1000, 240)])

@@ -246,16 +246,17 @@ def _compare(model, prompts, tokens, logits) -> Dict[str, object]:
     model.set_train(False)
     s = max(len(p) for p in prompts)
     diff, same = 0.0, True
-    for i in range(tokens.shape[1]):
-        ids = np.zeros((len(prompts), s + i), np.int32)
-        mask = np.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            row = list(p) + tokens[r, :i].tolist()
-            ids[r, s - len(p):], mask[r, s - len(p):] = row, 1
-        eager = model(Tensor(ids), Tensor(mask)).asnumpy()[:, -1].astype(np.float32)
-        diff = max(diff, float(np.abs(eager - logits[i]).max()))
-        same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
-    ms.set_context(mode=mode)
+    try:
+        for i in range(tokens.shape[1]):
+            ids = np.zeros((len(prompts), s + i), np.int32)
+            mask = np.zeros_like(ids)
+            for r, p in enumerate(prompts):
+                ids[r, s - len(p):], mask[r, s - len(p):] = list(p) + tokens[r, :i].tolist(), 1
+            eager = model(Tensor(ids), Tensor(mask)).asnumpy()[:, -1].astype(np.float32)
+            diff = max(diff, float(np.abs(eager - logits[i]).max()))
+            same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
+    finally:
+        ms.set_context(mode=mode)
     return {"tokens_identical": same, "max_abs_logit_diff": diff}
 
 

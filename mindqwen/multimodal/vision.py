@@ -237,8 +237,8 @@ def load_vit_weights(encoder: VisionEncoder, tensors: Dict[str, np.ndarray], sou
             wrong shape.
     """
     params = {p.name: p for p in encoder.get_parameters()}
-    prefix = next(iter(params)).rsplit("patch_embed.", 1)[0] if any("patch_embed." in n for n in params) else ""
-    seen = set()
+    prefix = next(n for n in params if n.endswith("pos_embed"))[:-len("pos_embed")]  # "vision." once fused
+    seen: Dict[str, np.ndarray] = {}
     for hf_name, value in tensors.items():
         if hf_name.endswith("cls_token") or hf_name.startswith("pooler."):
             continue
@@ -253,8 +253,9 @@ def load_vit_weights(encoder: VisionEncoder, tensors: Dict[str, np.ndarray], sou
             value = value[:, 1:]  # drop the CLS position
         if tuple(value.shape) != tuple(params[name].shape):
             raise ValueError(f"{source}: {hf_name}: shape {value.shape}, the encoder expects {params[name].shape}")
-        params[name].set_data(Tensor(value).astype(params[name].dtype))
-        seen.add(name)
-    missing = sorted(set(n for n in params if ".lora_" not in n) - seen)
+        seen[name] = value
+    missing = sorted(set(n for n in params if ".lora_" not in n) - set(seen))
     if missing:
         raise ValueError(f"{source}: missing ViT tensors for {missing[:5]}{' …' if len(missing) > 5 else ''}")
+    for name, value in seen.items():  # only once everything checked out: a bad file changes nothing
+        params[name].set_data(Tensor(value).astype(params[name].dtype))
