@@ -38,10 +38,10 @@ def cmd_train(argv: List[str]) -> None:
         text = f.read() + "".join(f"\n# override: {o}" for o in args.overrides)
     summary = train_recipe(recipe, text)
     outputs = {**summary["train"]["outputs"], "export": summary.get("export", {}).get("folder")}
-    if outputs.get("loss_curve") is None:
+    if "loss_curve" in outputs and outputs["loss_curve"] is None:
         outputs["loss_curve"] = "none (pip install matplotlib)"
-    print(f"outputs in {summary['output_dir']}: summary.json, metrics.jsonl; "
-          + ", ".join(f"{k}: {v}" for k, v in outputs.items() if v))
+    files = "summary.json" + (", metrics.jsonl" if recipe.multimodal is None else "")
+    print(f"outputs in {summary['output_dir']}: {files}; " + ", ".join(f"{k}: {v}" for k, v in outputs.items() if v))
 
 
 def cmd_eval(argv: List[str]) -> None:

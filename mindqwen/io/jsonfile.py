@@ -1,5 +1,6 @@
 """Reading the small JSON files of checkpoint and adapter folders with errors that name them."""
 import json
+import os
 from typing import Any, Type
 
 
@@ -12,3 +13,15 @@ def read_json(path: str, error: Type[Exception], what: str) -> Any:
         raise error(f"{path}: {what} not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from None
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: never half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False, default=str)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -65,6 +65,10 @@ class MultimodalLoraConfig:
     cross_attention: GroupPolicy = field(default_factory=lambda: GroupPolicy("lora", 4, 8.0, list(ATTENTION)))
     temporal_r: int = 4
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.temporal_r, int) or self.temporal_r < 1:
+            raise ValueError(f"temporal_r must be a positive integer, got {self.temporal_r!r}")
+
 
 class MultimodalQwen(nn.Cell):
     """A ``QwenForCausalLM`` with a vision encoder, a projector and gated cross-attention blocks.
@@ -151,12 +155,15 @@ def apply_multimodal_lora(model: MultimodalQwen, config: Optional[MultimodalLora
         policy: GroupPolicy = getattr(config, group)
         if policy.mode != "lora":
             continue
-        targets = policy.target_modules
-        if group == "vision" and model.vision_config.num_frames > 1:  # spatial and temporal ranks differ
-            temporal = LoraConfig(r=config.temporal_r, lora_alpha=policy.lora_alpha * config.temporal_r / policy.r,
-                                  target_modules=[f"temporal_attn.{p}" for p in ATTENTION])
-            inject_lora(cell, temporal, prefixes[group])
-        inject_lora(cell, LoraConfig(r=policy.r, lora_alpha=policy.lora_alpha, target_modules=targets), prefixes[group])
+        try:
+            if group == "vision" and model.vision_config.num_frames > 1:  # spatial and temporal ranks differ
+                temporal = LoraConfig(r=config.temporal_r, lora_alpha=policy.lora_alpha * config.temporal_r / policy.r,
+                                      target_modules=[f"temporal_attn.{p}" for p in ATTENTION])
+                inject_lora(cell, temporal, prefixes[group])
+            inject_lora(cell, LoraConfig(r=policy.r, lora_alpha=policy.lora_alpha,
+                                         target_modules=policy.target_modules), prefixes[group])
+        except ValueError as e:
+            raise ValueError(f"{group}: {e}") from None
     for p in model.get_parameters():
         mode = getattr(config, group_of(p.name)).mode
         is_adapter = p.name.endswith((".lora_a", ".lora_b")) or (group_of(p.name) == "cross_attention"

@@ -45,6 +45,8 @@ def make_captioned_images(n: int, size: int = 32, seed: int = 0) -> List[Tuple[n
     return out
 
 
-def caption_vocabulary() -> List[str]:
-    """Every caption word (a word-level tokenizer for the demo needs only these)."""
-    return sorted({"a", "at", "the", *SHAPES, *COLOURS, *" ".join(PLACES).split()})
+def caption_attributes(caption: str) -> Tuple[int, int, int]:
+    """(colour, shape, place) indices of a caption made by ``make_captioned_images``."""
+    words = caption.split()
+    return list(COLOURS).index(words[1]), SHAPES.index(words[2]), PLACES.index(" ".join(words[-2:]))
+

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from mindqwen.lora import LoraConfig
+from mindqwen.multimodal.fusion import GroupPolicy, MultimodalLoraConfig
+from mindqwen.multimodal.vision import VisionConfig
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.distributed import ParallelConfig
 from mindqwen.train.optim import SCHEDULES
@@ -214,6 +216,54 @@ class ServeSection:
 
 
 @dataclass
+class ShapesSection:
+    """The multimodal demo's self-made image-caption data (``mindqwen.multimodal.synthetic``).
+
+    Attributes:
+        seed: data seed.
+        train_images, eval_images: sizes of the two splits (every image is a new draw).
+        vocab_size: SentencePiece vocabulary (the LM's ``vocab_size`` is one more: ``<image>``).
+        template: chat template of the prompt.
+    """
+
+    seed: int = 0
+    train_images: int = 3000
+    eval_images: int = 200
+    vocab_size: int = 96
+    template: str = "qwen3"
+
+    def __post_init__(self) -> None:
+        if self.train_images < 1 or self.eval_images < 1:
+            raise ValueError("multimodal.shapes: train_images and eval_images must be >= 1")
+
+
+@dataclass
+class MultimodalSection:
+    """A vision encoder fused into the LM by gated cross-attention (``docs/multimodal.md``).
+
+    Attributes:
+        vision: the ViT's shape (``num_frames`` > 1: the space-time encoder for video).
+        cross_layers: decoder layers followed by a cross-attention block.
+        policy: per group (vision, projector, text, cross_attention) frozen | lora | full.
+        text_steps: steps of the LM alone on the captions before fusion (0: none).
+        vision_steps, vision_lr: steps and peak rate of the ViT's attribute pre-training (0: none).
+        shapes: the synthetic demo data (the only data source recipes wire up so far).
+    """
+
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    cross_layers: List[int] = field(default_factory=lambda: [0])
+    policy: MultimodalLoraConfig = field(default_factory=MultimodalLoraConfig)
+    text_steps: int = 300
+    vision_steps: int = 1500
+    vision_lr: float = 1e-3
+    shapes: ShapesSection = field(default_factory=ShapesSection)
+
+    def __post_init__(self) -> None:
+        if self.text_steps < 0 or self.vision_steps < 0 or self.vision_lr <= 0:
+            raise ValueError("multimodal: text_steps and vision_steps must be >= 0, vision_lr > 0")
+
+
+@dataclass
 class Recipe:
     """A complete training recipe (see ``docs/recipes.md``)."""
 
@@ -226,6 +276,7 @@ class Recipe:
     export: ExportSection = field(default_factory=ExportSection)
     generation: GenerationSection = field(default_factory=GenerationSection)
     serve: ServeSection = field(default_factory=ServeSection)
+    multimodal: Optional[MultimodalSection] = None
 
 
 # ---------------------------------------------------------------------------- loading
@@ -310,7 +361,9 @@ def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
 
 _SECTIONS = (ModelSection, DataSection, SyntheticSection, PretrainSection, ParallelConfig, ExportSection,
              LoraConfig, TrainerConfig, PrecisionConfig,
-             GenerationSection, OutputFilterSection, ServeSection)
+             GenerationSection, OutputFilterSection, ServeSection,
+             MultimodalSection, ShapesSection, VisionConfig, MultimodalLoraConfig, GroupPolicy)
+MULTIMODAL_SECTIONS = (MultimodalSection, ShapesSection, VisionConfig, MultimodalLoraConfig, GroupPolicy)
 
 
 def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):

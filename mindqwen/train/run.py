@@ -89,6 +89,9 @@ def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> Qwen
 
 def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
     """Run ``recipe``; returns (and writes as ``summary.json``) its figures and output paths."""
+    if recipe.multimodal is not None:
+        from mindqwen.multimodal.run import train_multimodal_recipe
+        return train_multimodal_recipe(recipe, recipe_text)
     out = recipe.trainer.output_dir
     data = recipe.data
     if data.synthetic is not None:

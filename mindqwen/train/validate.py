@@ -60,6 +60,8 @@ def check_files(recipe: Recipe, path: str) -> None:
 def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False) -> str:
     """Returns a short report; raises RecipeError (one line, naming the file and key)."""
     recipe = load_recipe(path, overrides)
+    if recipe.multimodal is not None:
+        return validate_multimodal(recipe, path)
     if not tiny:
         check_files(recipe, path)
     elif recipe.data.synthetic is None and recipe.data.train is None:
@@ -101,3 +103,31 @@ def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False
             f"  model: {config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}{built_note}\n"
             f"  training: {training}\n"
             f"  parallel: dp {p.data_parallel} × tp {p.tensor_parallel} × pp {p.pipeline_parallel} = {p.devices} devices")
+
+
+def validate_multimodal(recipe: Recipe, path: str) -> str:
+    """Build the fused model the recipe trains and apply its group policies (errors name the key)."""
+    from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
+    m = recipe.multimodal
+    if recipe.model.checkpoint or recipe.model.preset:
+        raise RecipeError(f"{path}: multimodal recipes build the LM from model.config; model.checkpoint and "
+                          "model.preset are not wired up yet")
+    config = QwenConfig(**{"vocab_size": m.shapes.vocab_size + 1, **recipe.model.config})
+    if recipe.data.seq_length > config.max_position_embeddings:
+        raise RecipeError(f"{path}: data.seq_length={recipe.data.seq_length} exceeds model.config."
+                          f"max_position_embeddings={config.max_position_embeddings}")
+    try:
+        model = MultimodalQwen(QwenForCausalLM(config), m.vision, m.cross_layers, config.vocab_size - 1)
+    except ValueError as e:
+        raise RecipeError(f"{path}: multimodal: {e}") from None
+    try:
+        apply_multimodal_lora(model, m.policy)
+    except ValueError as e:
+        raise RecipeError(f"{path}: multimodal.policy: {e}") from None
+    counts = trainable_by_group(model)
+    groups = ", ".join(f"{g} {getattr(m.policy, g).mode} ({n:,})" for g, n in counts.items())
+    return (f"{path}: ok\n"
+            f"  model: {config.num_hidden_layers}-layer LM (hidden {config.hidden_size}) + ViT "
+            f"{m.vision.num_hidden_layers} layers at {m.vision.image_size}px, cross-attention after layers "
+            f"{list(m.cross_layers)}\n"
+            f"  trainable: {groups}")
