@@ -222,6 +222,42 @@ def test_caption_loss_covers_only_the_caption():
         encode_caption(tok, "word " * 40, IMAGE_TOKEN, 32)
 
 
+
+def test_frame_sampling_takes_segment_centres():
+    from mindqwen.multimodal.data import sample_frames
+    assert sample_frames(10, 4).tolist() == [1, 3, 6, 8]  # ⌊(i + ½)·10/4⌋
+    assert sample_frames(16, 16).tolist() == list(range(16))
+    assert sample_frames(2, 4).tolist() == [0, 0, 1, 1]  # short videos repeat frames
+
+
+def test_video_text_pipeline_gives_t_x_3x224x224(tmp_path):
+    """A .npy video and a folder of frames, of any length and size, become (T, 3, 224, 224) rows;
+    the dataset batches them (B, T, 3, S, S); a bad video names its file."""
+    from PIL import Image
+    from mindqwen.multimodal.data import VideoTextSource, video_text_dataset
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "clip.npy", rng.integers(0, 255, (37, 97, 61, 3), dtype=np.uint8))
+    (tmp_path / "frames").mkdir()
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 255, (300, 500, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i:03d}.png")
+    records = [(str(tmp_path / "clip.npy"), "a dog runs"), (str(tmp_path / "frames"), "a cat sits")]
+    source = VideoTextSource(records, WordTokenizer(), IMAGE_TOKEN, 32, num_frames=4)
+    for i in range(2):
+        pixels, ids, labels = source[i]
+        assert pixels.shape == (4, 3, 224, 224) and pixels.dtype == np.float32 and ids.shape == labels.shape == (32,)
+    frames = np.load(tmp_path / "clip.npy")[[4, 13, 23, 32]]  # sample_frames(37, 4)
+    expected = np.stack([apply_transforms(f, image_transforms(224)) for f in frames])
+    np.testing.assert_array_equal(source[0][0], expected)
+    small = VideoTextSource(records, WordTokenizer(), IMAGE_TOKEN, 32, num_frames=2, image_size=32)
+    batch = next(video_text_dataset(small, 2, shuffle=False).create_tuple_iterator(output_numpy=True))
+    assert [b.shape for b in batch] == [(2, 2, 3, 32, 32), (2, 32), (2, 32)]
+    (tmp_path / "bad.npy").write_bytes(b"not an array")
+    with pytest.raises(ValueError, match="bad.npy: cannot read the video"):
+        VideoTextSource([(str(tmp_path / "bad.npy"), "x")], WordTokenizer(), IMAGE_TOKEN, 32, 4)[0]
+    np.save(tmp_path / "flat.npy", np.zeros((4, 8, 8), np.uint8))
+    with pytest.raises(ValueError, match=r"flat.npy: a video array is \(T, H, W, 3\)"):
+        VideoTextSource([(str(tmp_path / "flat.npy"), "x")], WordTokenizer(), IMAGE_TOKEN, 32, 4)[0]
+
 @pytest.mark.parametrize("frames", [1, 4])
 def test_vision_export_matches_the_eager_tower_at_any_batch(frames, tmp_path):
     """vision.mindir (LoRA merged) reproduces the trained, unmerged tower; the batch axis is dynamic."""
