@@ -291,3 +291,19 @@ def test_shapes_demo_learns_to_caption_and_exports(tmp_path):
     assert export["vision_parity"]["passed"] and export["lm_parity"]["passed"]
     assert (tmp_path / "export" / "vision.mindir").is_file()
     assert (tmp_path / "export" / "lm" / "decode.mindir").is_file()
+
+
+def test_shapes_recipe_validates_and_refuses_what_it_does_not_honour():
+    import os
+    from mindqwen.train.recipe import RecipeError
+    from mindqwen.train.validate import validate_recipe
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "multimodal",
+                        "shapes.yaml")
+    report = validate_recipe(path)
+    assert "vision lora (8,192)" in report and "cross_attention full" in report
+    with pytest.raises(RecipeError, match="shapes.yaml: multimodal recipes do not support trainer.recompute"):
+        validate_recipe(path, ["trainer.recompute=full"])
+    with pytest.raises(RecipeError, match="multimodal.policy.text: policy mode must be one of"):
+        validate_recipe(path, ["multimodal.policy.text.mode=half"])
+    with pytest.raises(RecipeError, match="multimodal.policy: text: .*matches no module"):
+        validate_recipe(path, ["multimodal.policy.text.target_modules=[nope]"])

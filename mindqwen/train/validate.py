@@ -108,10 +108,10 @@ def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False
 def validate_multimodal(recipe: Recipe, path: str) -> str:
     """Build the fused model the recipe trains and apply its group policies (errors name the key)."""
     from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
+    from mindqwen.multimodal.run import unsupported_keys
     m = recipe.multimodal
-    if recipe.model.checkpoint or recipe.model.preset:
-        raise RecipeError(f"{path}: multimodal recipes build the LM from model.config; model.checkpoint and "
-                          "model.preset are not wired up yet")
+    if unsupported_keys(recipe):
+        raise RecipeError(f"{path}: multimodal recipes do not support {', '.join(unsupported_keys(recipe))} yet")
     config = QwenConfig(**{"vocab_size": m.shapes.vocab_size + 1, **recipe.model.config})
     if recipe.data.seq_length > config.max_position_embeddings:
         raise RecipeError(f"{path}: data.seq_length={recipe.data.seq_length} exceeds model.config."
