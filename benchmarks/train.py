@@ -9,6 +9,7 @@ The timed region is one compiled optimizer step (the same ``Stepper`` that ``fit
 achieved matmul FLOP rate over the fp32 matmul rate measured in the same process.
 
     python benchmarks/train.py [--full] [--fusion] [--steps 20] [--recompute none|full] [--threads 2]
+                               [--compile-cache DIR]
 
 ``--fusion`` turns on MindSpore's graph-kernel (AKG) fusion for the CPU with the settings that
 docs/performance.md explains; they are environment variables read when MindSpore loads, so they
@@ -44,9 +45,12 @@ def main() -> None:
     ap.add_argument("--recompute", default="none", choices=["none", "full", "attention", "mlp"])
     ap.add_argument("--threads", type=int, default=0, help="CPU op threads (0: MindSpore's default)")
     ap.add_argument("--fusion", action="store_true", help="graph-kernel fusion (see the module docstring)")
+    ap.add_argument("--compile-cache", help="MindSpore's compile cache folder (a second run loads the graph)")
     args = ap.parse_args()
     if args.fusion:
         os.environ.update(CPU_FUSION_ENV)
+    if args.compile_cache:  # read when MindSpore loads
+        os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=args.compile_cache)
     import mindspore as ms
     import numpy as np
     from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora
@@ -86,6 +90,7 @@ def main() -> None:
         "benchmark": "train", "framework": "mindqwen (MindSpore %s, graph mode)" % ms.__version__,
         "mode": "full" if args.full else "lora", "fusion": args.fusion, "config": "bench-small", "layers": args.layers,
         "batch": args.batch, "seq": args.seq, "recompute": args.recompute, "steps": args.steps,
+        "compile_cache": bool(args.compile_cache),
         "tokens_per_s": round(tokens / step_s, 1), "step_ms": round(step_s * 1e3, 1),
         "compile_s": round(times[0] - step_s, 2), "peak_rss_mb": round(peak_memory_mb()),
         "rss_after_build_mb": round(rss_built), "achieved_gflops": round(flops / step_s / 1e9, 1),

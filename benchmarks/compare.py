@@ -1,0 +1,85 @@
+"""mindqwen against the PyTorch + PEFT peer, side by side in one sitting: one JSON line of ratios.
+
+For each workload, ``--rounds`` rounds run mindqwen's benchmark and the peer
+(../shared/bench/peer_hf_lora.py) one after the other in fresh processes, alternating which goes
+first, so both see the same machine state. Figures are medians over the rounds; ratios are
+mindqwen / peer (tokens/s: > 1 is faster; peak RSS: < 1 is leaner). Not part of CI.
+
+    python benchmarks/compare.py --peer /path/to/peer-venv/bin/python [--rounds 2]
+                                 [--workloads lora,full,gen] [--fusion]
+
+The peer's virtualenv needs torch's CPU wheel (``pip install torch==2.13.0 --index-url
+https://download.pytorch.org/whl/cpu``), transformers and peft: never the project's own.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "bench", "peer_hf_lora.py")
+FIGURES = {"train": ("tokens_per_s", "step_ms", "peak_rss_mb", "mfu", "compile_s"),
+           "gen": ("tokens_per_s", "decode_tokens_per_s", "peak_rss_mb")}
+
+
+def commands(workload: str, peer_python: str, peer_script: str, fusion: bool) -> Dict[str, List[str]]:
+    """(mindqwen, peer) command lines of one workload."""
+    if workload == "gen":
+        return {"mindqwen": [sys.executable, os.path.join(HERE, "generate.py"), "--batches", "1"],
+                "peer": [peer_python, peer_script, "--gen", "--threads", "2", "--clean-steps", "3"]}
+    full = ["--full"] if workload == "full" else []
+    return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full,
+                         *(["--fusion"] if fusion else [])],
+            "peer": [peer_python, peer_script, "--threads", "2", "--clean-steps", "10", *full]}
+
+
+def run(cmd: List[str]) -> dict:
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if "batch_1" in out:  # benchmarks/generate.py nests per batch size
+        out = {**out["batch_1"], "peak_rss_mb": out.get("peak_rss_mb")}
+    return out
+
+
+def compare(workload: str, cmds: Dict[str, List[str]], rounds: int) -> dict:
+    kind = "gen" if workload == "gen" else "train"
+    seen: Dict[str, List[dict]] = {"mindqwen": [], "peer": []}
+    for i in range(rounds):
+        for who in (("mindqwen", "peer") if i % 2 == 0 else ("peer", "mindqwen")):
+            seen[who].append(run(cmds[who]))
+            print(f"{workload} round {i + 1}/{rounds} {who}: {seen[who][-1].get('tokens_per_s')} tokens/s",
+                  file=sys.stderr, flush=True)
+    result = {}
+    for who, outs in seen.items():
+        result[who] = {k: statistics.median(o[k] for o in outs) for k in FIGURES[kind]
+                       if all(o.get(k) is not None for o in outs)}
+    mine, theirs = result["mindqwen"], result["peer"]
+    for key in ("tokens_per_s", "decode_tokens_per_s", "peak_rss_mb"):
+        if key in mine and key in theirs:
+            result[f"{key}_ratio"] = round(mine[key] / theirs[key], 3)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--peer", required=True, help="python of the peer's virtualenv (torch + transformers + peft)")
+    ap.add_argument("--peer-script", default=PEER_SCRIPT)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workloads", default="lora,full,gen")
+    ap.add_argument("--fusion", action="store_true", help="mindqwen's training with CPU graph-kernel fusion")
+    args = ap.parse_args()
+    out = {"benchmark": "compare", "rounds": args.rounds, "fusion": args.fusion}
+    for workload in args.workloads.split(","):
+        if workload not in ("lora", "full", "gen"):
+            sys.exit(f"unknown workload {workload!r}: lora, full or gen")
+        out[workload] = compare(workload, commands(workload, args.peer, args.peer_script, args.fusion), args.rounds)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
