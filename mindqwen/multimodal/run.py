@@ -94,7 +94,7 @@ def unsupported_keys(recipe) -> List[str]:
               "data.train / data.eval / data.synthetic": recipe.data.train or recipe.data.eval or recipe.data.synthetic,
               "trainer.precision.level": t.precision.level != "O0", "trainer.recompute": t.recompute != "none",
               "trainer.gradient_accumulation": t.gradient_accumulation != 1, "trainer.resume": t.resume,
-              "trainer.mode": t.mode != "graph", "parallel": p.devices > 1}
+              "trainer.mode": t.mode != "graph", "trainer.compile_cache": t.compile_cache, "parallel": p.devices > 1}
     return [key for key, used in checks.items() if used]
 
 

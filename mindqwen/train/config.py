@@ -35,6 +35,9 @@ class TrainerConfig:
         tensorboard: also write metrics as TensorBoard scalars to ``output_dir/tensorboard``
             (needs ``pip install tensorboardX``).
         mode: graph (compiled, the default) | pynative (eager, for debugging).
+        compile_cache: a folder for MindSpore's compile cache (None: off). A later run with the
+            same model, settings and shapes loads its graphs instead of compiling them; each
+            distinct set of graphs gets its own subfolder.
     """
 
     max_steps: int = 100
@@ -63,6 +66,7 @@ class TrainerConfig:
     progress: bool = True
     tensorboard: bool = False
     mode: str = "graph"
+    compile_cache: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.precision, dict):

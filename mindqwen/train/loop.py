@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Optional
 
 import mindspore as ms
@@ -15,6 +15,7 @@ from tqdm import tqdm
 from mindqwen.data.loader import BatchLoader, TokenDataset
 from mindqwen.lora import save_adapter
 from mindqwen.train import checkpoint
+from mindqwen.train.compile_cache import compile_cache, graph_key
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.distributed import ParallelConfig, init_parallel, setup_model_parallel
 from mindqwen.train.metrics import (MetricsLog, measure_matmul_peak_gflops, peak_memory_mb,
@@ -76,37 +77,43 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
     step_flops = train_flops_per_token(model.config, seq, trainable) * tokens
     peak_flops = measure_matmul_peak_gflops() * 1e9
-    record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
-                           desc="training", unit="step", disable=not (config.progress and main))
-    for step in bar:
-        ids, labels = loader.batch(step)
-        batches = [(ms.Tensor(ids[i:i + mb]), ms.Tensor(labels[i:i + mb])) for i in range(0, len(ids), mb)]
-        lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
-        t = time.perf_counter()
-        try:
-            loss, finite, norm = stepper(batches)
-        except RuntimeError as e:
-            raise explain_out_of_memory(e, config) from e
-        seconds = time.perf_counter() - t
-        state["overflow_count"] += int(not finite)
-        if not dynamic and not math.isfinite(loss):
-            raise TrainingDiverged(f"step {step + 1}: loss is {loss} in {config.precision.level} without loss "
-                                   f"scaling; last good checkpoint: {last_ckpt or 'none (resume impossible)'}")
-        record = {"step": step + 1, "loss": loss, "lr": lr,
-                  "grad_norm": norm, "loss_scale": float(scaler.scale_value.asnumpy()),
-                  "overflow": not finite, "overflow_count": state["overflow_count"],
-                  "tokens_per_s": tokens * world / seconds, "step_s": seconds,
-                  "mfu": step_flops / seconds / peak_flops, "peak_memory_mb": peak_memory_mb()}
-        last = step + 1 == config.max_steps
-        if eval_data is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
-            record["eval_loss"] = evaluate(model, eval_data, mb, config.eval_batches)
-            record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
-        log.write(record)
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if main and (last or (config.save_every and (step + 1) % config.save_every == 0)):
-            state.update(step=step + 1, data_step=step + 1, metrics=record)
-            last_ckpt = checkpoint.save(config.output_dir, step + 1, model, optimizer, scaler, state,
-                                        recipe_text, config.keep_last)
+    cache = None
+    if config.compile_cache:  # one folder per distinct set of graphs (see compile_cache.py)
+        shapes = {"train": list(train_data.input_ids.shape[1:]), "world": world, "parallel": repr(parallel),
+                  "eval": None if eval_data is None else list(eval_data.input_ids.shape[1:])}
+        cache = os.path.join(config.compile_cache, graph_key(model, asdict(config), shapes))
+    with compile_cache(cache):
+        record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
+                               desc="training", unit="step", disable=not (config.progress and main))
+        for step in bar:
+            ids, labels = loader.batch(step)
+            batches = [(ms.Tensor(ids[i:i + mb]), ms.Tensor(labels[i:i + mb])) for i in range(0, len(ids), mb)]
+            lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
+            t = time.perf_counter()
+            try:
+                loss, finite, norm = stepper(batches)
+            except RuntimeError as e:
+                raise explain_out_of_memory(e, config) from e
+            seconds = time.perf_counter() - t
+            state["overflow_count"] += int(not finite)
+            if not dynamic and not math.isfinite(loss):
+                raise TrainingDiverged(f"step {step + 1}: loss is {loss} in {config.precision.level} without loss "
+                                       f"scaling; last good checkpoint: {last_ckpt or 'none (resume impossible)'}")
+            record = {"step": step + 1, "loss": loss, "lr": lr,
+                      "grad_norm": norm, "loss_scale": float(scaler.scale_value.asnumpy()),
+                      "overflow": not finite, "overflow_count": state["overflow_count"],
+                      "tokens_per_s": tokens * world / seconds, "step_s": seconds,
+                      "mfu": step_flops / seconds / peak_flops, "peak_memory_mb": peak_memory_mb()}
+            last = step + 1 == config.max_steps
+            if eval_data is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
+                record["eval_loss"] = evaluate(model, eval_data, mb, config.eval_batches)
+                record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
+            log.write(record)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if main and (last or (config.save_every and (step + 1) % config.save_every == 0)):
+                state.update(step=step + 1, data_step=step + 1, metrics=record)
+                last_ckpt = checkpoint.save(config.output_dir, step + 1, model, optimizer, scaler, state,
+                                            recipe_text, config.keep_last)
 
     # 4. finish: final weights in an interchange format, and the loss curve
     log.close()

@@ -62,6 +62,10 @@ class GradStep(nn.Cell):
         if pipeline_micro_batches > 1:
             loss_net = nn.PipelineCell(loss_net, pipeline_micro_batches)
         self.pipeline_micro_batches = float(pipeline_micro_batches)
+        # Held as an attribute so that every parameter, frozen ones included, belongs to the
+        # compiled cell: a graph loaded from MindSpore's compile cache binds only those, and an
+        # unbound frozen weight reads as garbage (measured: a LoRA step's loss stuck at ln(vocab)).
+        self.loss_net = loss_net
         self.grad_fn = ms.value_and_grad(loss_net, None, optimizer.parameters)
         self.all_reduce = ops.AllReduce() if world > 1 else None
 

@@ -1,7 +1,7 @@
 """A small fit() run for subprocess tests (resume after SIGKILL, msrun data parallel).
 
     python run_fit.py OUTPUT_DIR [--steps N] [--save-every K] [--resume auto] [--global-batch B]
-                      [--kill-at-step S] [--dump PARAMS.npz]
+                      [--kill-at-step S] [--dump PARAMS.npz] [--full] [--compile-cache DIR]
 """
 import argparse
 import os
@@ -29,15 +29,19 @@ def main():
     ap.add_argument("--global-batch", type=int, default=4)
     ap.add_argument("--kill-at-step", type=int, default=0)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
+    ap.add_argument("--compile-cache", default=None)
     args = ap.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)  # LoRA A is drawn before fit() seeds: fix it here
     rank, world = init_parallel()
     data = TokenDataset(np.random.default_rng(0).integers(0, 512, (64, 24)))
-    model = apply_lora(from_pretrained(fixture_path("qwen2_tiny", "base")), LoraConfig(r=4, lora_alpha=8))
+    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    if not args.full:
+        apply_lora(model, LoraConfig(r=4, lora_alpha=8))
     config = TrainerConfig(max_steps=args.steps, micro_batch_size=args.global_batch // world, lr=5e-3,
                            warmup_steps=2, save_every=args.save_every, resume=args.resume,
-                           output_dir=args.output_dir, progress=False)
+                           output_dir=args.output_dir, progress=False, compile_cache=args.compile_cache)
     if args.kill_at_step:  # die like a killed job: right after logging that step, no clean-up
         write = loop.MetricsLog.write
 
