@@ -114,10 +114,10 @@ class MultimodalQwen(nn.Cell):
             x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
             if self.cross_after[i] >= 0:
                 x = self.cross_attn[self.cross_after[i]](x, vision, vision_mask)
-        logits = self.lm.logits(self.lm.model.norm(x))
+        h = self.lm.model.norm(x)
         if labels is None:
-            return logits
-        return self.lm.loss(logits, labels)
+            return self.lm.logits(h)
+        return self.lm.loss(h, labels)
 
     def groups(self) -> Dict[str, nn.Cell]:
         return {"vision": self.vision, "projector": self.projector, "text": self.lm,
