@@ -4,8 +4,8 @@
     2. (accumulation) gradients added into accumulator Parameters, micro-batch by micro-batch
     3. unscale: ÷ loss scale (and ÷ number of micro-batches)
     4. data parallel: all-reduce (mean) across ranks
-    5. overflow check: ``ms.amp.all_finite``
-    6. global gradient norm, clipped to ``clip_norm``
+    5. global gradient norm (fp32 sum of squares), clipped to ``clip_norm``
+    6. overflow check: the norm is finite (an inf or NaN in any gradient makes it inf or NaN)
     7. optimizer update, skipped when a gradient overflowed
     8. loss-scale adjustment (fp16 only): halve on overflow, grow after a clean window
 
@@ -92,8 +92,11 @@ class ApplyGrads(nn.Cell):
             grads = _hyper_map(ops.partial(_div_grad, divisor), grads)
         if self.reducer is not None:  # 4.
             grads = self.reducer(grads)
-        finite = ms.amp.all_finite(grads)  # 5.
-        norm = ops.sqrt(ops.addn([ops.reduce_sum(ops.square(g.astype(ms.float32))) for g in grads]))  # 6.
+        norm = ops.sqrt(ops.addn([ops.reduce_sum(ops.square(g.astype(ms.float32))) for g in grads]))  # 5.
+        # 6. One scalar test instead of ``ms.amp.all_finite`` (IsFinite + ReduceAll per tensor:
+        # 53 ms of a 980 ms full fine-tune step on CPU). It also flags finite gradients whose
+        # squares overflow fp32 (|g| > 1.8e19), which clipping would have zeroed anyway.
+        finite = ops.isfinite(norm)
         if self.clip_norm > 0:
             factor = ops.minimum(self.clip_norm / (norm + CLIP_EPS), 1.0)
             grads = _hyper_map(ops.partial(_scale_grad, factor), grads)
