@@ -49,6 +49,7 @@ def main() -> None:
                 ax.annotate(f"{a / b:.2f}×", (x, max(a, b)), ha="center", va="bottom", fontsize=9)
         ax.set_xticks(list(xs), [r[0] for r in rows], rotation=15)
         ax.set_title(title)
+        ax.margins(y=0.12)
         ax.legend(fontsize=8)
     fig.suptitle("bench-small, 2 CPU threads, fp32: medians of alternated runs (benchmarks/compare.py)")
     fig.tight_layout()

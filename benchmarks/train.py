@@ -34,8 +34,9 @@ BENCH_SMALL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1408, nu
                    tie_word_embeddings=True, max_position_embeddings=2048)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(description: str) -> argparse.ArgumentParser:
+    """The bench-small options (shared with profile.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -45,15 +46,16 @@ def main() -> None:
     ap.add_argument("--recompute", default="none", choices=["none", "full", "attention", "mlp"])
     ap.add_argument("--threads", type=int, default=0, help="CPU op threads (0: MindSpore's default)")
     ap.add_argument("--fusion", action="store_true", help="graph-kernel fusion (see the module docstring)")
-    ap.add_argument("--compile-cache", help="MindSpore's compile cache folder (a second run loads the graph)")
-    args = ap.parse_args()
+    return ap
+
+
+def build(args: argparse.Namespace) -> tuple:
+    """Set the environment, import MindSpore, build the model, its ``Stepper`` and the data."""
     if args.fusion:
         os.environ.update(CPU_FUSION_ENV)
     import mindspore as ms
     import numpy as np
     from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora
-    from mindqwen.train.compile_cache import compile_cache, graph_key
-    from mindqwen.train.metrics import measure_matmul_peak_gflops, peak_memory_mb, train_flops_per_token
     from mindqwen.train.optim import WarmupSchedule, make_optimizer
     from mindqwen.train.precision import PrecisionConfig, make_loss_scaler
     from mindqwen.train.recompute import apply_recompute
@@ -72,12 +74,23 @@ def main() -> None:
     optimizer = make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-4, args.steps))
     stepper = Stepper(model, optimizer, make_loss_scaler(PrecisionConfig()), clip_norm=0.0)
     data = np.random.default_rng(1234).integers(0, config.vocab_size, (args.steps, args.batch, args.seq))
+    return model, config, stepper, data.astype(np.int32)
+
+
+def main() -> None:
+    ap = parser(__doc__.split("\n")[0])
+    ap.add_argument("--compile-cache", help="a compile-cache root (a second run loads the graph)")
+    args = ap.parse_args()
+    model, config, stepper, data = build(args)
+    import mindspore as ms
+    from mindqwen.train.compile_cache import compile_cache, graph_key
+    from mindqwen.train.metrics import measure_matmul_peak_gflops, peak_memory_mb, train_flops_per_token
     rss_built = peak_memory_mb()
     cache = args.compile_cache and os.path.join(args.compile_cache, graph_key(model, vars(args), {}))
     times, losses = [], []
     with compile_cache(cache):
         for i in range(args.steps):
-            ids = ms.Tensor(data[i].astype(np.int32))
+            ids = ms.Tensor(data[i])
             t = time.perf_counter()
             loss, _, _ = stepper([(ids, ids)])
             times.append(time.perf_counter() - t)
