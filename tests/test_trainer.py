@@ -15,6 +15,7 @@ from conftest import fixture_path
 from mindqwen import LoraConfig, apply_lora, from_pretrained
 from mindqwen.data.loader import BatchLoader, TokenDataset
 from mindqwen.train import checkpoint
+from mindqwen.train.compile_cache import compile_cache
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.loop import TrainingDiverged, fit
 from mindqwen.train.optim import WarmupSchedule, make_optimizer, param_groups, schedule_values
@@ -219,6 +220,29 @@ def test_compile_cache_loads_the_same_graphs_and_keys_a_changed_network_apart(tm
     assert not loaded and all(np.isfinite(full))
     assert full[0] == pytest.approx(plain[0], abs=1e-5)  # LoRA B = 0: the same initial loss
     assert full[-1] != pytest.approx(plain[-1], abs=1e-3)  # but the full model trains differently
+
+
+def test_a_second_compile_cache_folder_in_one_process_is_not_used(tmp_path):
+    """MindSpore fixes the cache folder at its first use and numbers graphs by compile order, so
+    graphs of a second, different block must not land in the first folder (nor in the second)."""
+    class Affine(nn.Cell):
+        def __init__(self, k):
+            super().__init__()
+            self.k = k
+
+        def construct(self, x):
+            return x * self.k + 1
+
+    x = ms.Tensor(np.ones(3, np.float32))
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    with compile_cache(first):
+        assert Affine(2.0)(x).asnumpy().tolist() == [3.0] * 3
+    with pytest.warns(UserWarning, match="compile without the cache"), compile_cache(second):
+        assert Affine(3.0)(x).asnumpy().tolist() == [4.0] * 3
+    cached = [f for _, _, files in os.walk(first) for f in files if f.endswith(".mindir")]
+    assert cached == ["compile_cache_0.mindir"] and not os.path.exists(second)
+    assert "MS_COMPILER_CACHE_ENABLE" not in os.environ
 
 
 def test_a_kill_during_checkpoint_write_leaves_no_valid_looking_checkpoint(tmp_path):

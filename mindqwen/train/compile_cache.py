@@ -6,6 +6,13 @@ network: a full fine-tune started on a LoRA run's cache loads the LoRA graph and
 (measured). So each run gets its own folder under the cache root, named by a digest of
 everything a graph is built from: model config and parameters (names, shapes, dtypes, which are
 trained), trainer settings, input shapes, versions and the MindSpore environment.
+
+MindSpore also fixes the folder at its first use in a process and numbers graphs by the order
+they compile in (measured). So only the first folder a process asks for is used; a later
+``fit`` with other graphs (a recipe's LoRA stage after its pre-training stage) compiles them
+without the cache, instead of adding them to the first folder where another run could load them.
+
+Loaded graphs match compiled ones to ~1e-6 per step, not bit for bit (tests/test_trainer.py).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from typing import Iterator, Optional
 
 import mindspore as ms
@@ -23,6 +31,7 @@ import mindqwen
 
 # Settings that never reach a graph: excluded so that resumed and re-run jobs share a cache.
 _HOST_ONLY = ("output_dir", "resume", "progress", "tensorboard", "compile_cache", "save_every", "keep_last")
+_process_folder: Optional[str] = None  # the folder MindSpore has fixed for this process
 
 
 def graph_key(model: nn.Cell, settings: dict, shapes: dict) -> str:
@@ -56,12 +65,19 @@ def graph_key(model: nn.Cell, settings: dict, shapes: dict) -> str:
 def compile_cache(path: Optional[str]) -> Iterator[None]:
     """Within the block, graphs compile into (or load from) ``path``; ``None`` does nothing.
 
-    MindSpore reads these variables whenever it compiles, so the block bounds the graphs cached
-    (generation and export graphs compiled later in the process are not).
+    MindSpore reads ``MS_COMPILER_CACHE_ENABLE`` whenever it compiles, so the block bounds the
+    graphs cached (generation and export graphs compiled later in the process are not). A block
+    asking for another folder than the process's first compiles without the cache, with a warning.
     """
+    global _process_folder
+    if path is not None and _process_folder not in (None, path):
+        warnings.warn(f"compile cache: this process already caches into {_process_folder} and MindSpore cannot "
+                      f"switch folders, so these graphs compile without the cache ({path})", stacklevel=3)
+        path = None
     if path is None:
         yield
         return
+    _process_folder = path
     keys = ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)
