@@ -45,10 +45,10 @@ def _post(server, path, body, raw=None):
 
 
 def _gate(server):
-    """Hold the worker before its next batch until the returned event is set."""
-    gate, run = threading.Event(), server.worker._run
-    server.worker._run = lambda batch: (gate.wait(), run(batch))
-    return gate
+    """Hold the worker before its next batch until ``gate`` is set; ``held`` is set once it waits."""
+    gate, held, run = threading.Event(), threading.Event(), server.worker._run
+    server.worker._run = lambda batch: (held.set(), gate.wait(), run(batch))
+    return gate, held
 
 
 PROMPTS = ["hello", "a longer prompt here", "xyz", "mindspore on ascend", "q", "tokens!"]
@@ -111,13 +111,14 @@ def test_bad_requests_get_4xx_with_a_message(generator):
 
 def test_full_queue_gets_503_and_shutdown_finishes_in_flight_requests(generator):
     server = _server(generator, max_batch_size=1, batch_timeout_ms=0, max_queue=1)
-    gate = _gate(server)
+    gate, held = _gate(server)
     results = []
     threads = [threading.Thread(target=lambda p=p: results.append(_post(server, "/v1/completions", {"prompt": p})))
                for p in ("first", "second")]
     threads[0].start()
-    while server.worker.queue.qsize():  # the worker has taken "first" and waits at the gate
-        pass
+    # Not "until the queue is empty": that can pass before "first" is even queued, and then
+    # "third" may take the queue's one place and wait at the gate for good (seen once in CI).
+    assert held.wait(timeout=300)  # the worker has taken "first" and waits at the gate
     threads[1].start()
     while server.worker.queue.qsize() < 1:  # "second" fills the queue
         pass
