@@ -136,6 +136,7 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> Non
         attn.bmm_pv.shard(((dp, tp, 1, 1), (dp, tp, 1, 1)))  # (B, KV, n_rep·S, T) · (B, KV, T, D)
     head = model.head_matmul if model.tied else model.lm_head.matmul
     head.shard(column)
+    model.chunked_loss.rows = 0  # the loss goes through the sharded head matmul
 
 
 def assign_pipeline_stages(model: nn.Cell, stages: int) -> None:
