@@ -17,6 +17,7 @@ setup(
         "tiktoken",
         "sentencepiece",
         "tqdm",
+        "decorator",  # MindSpore's AKG kernel builder (CPU graph-kernel fusion, on by default) imports it
     ],
     extras_require={"test": ["pytest", "nbclient", "nbformat", "ipykernel", "tokenizers"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["mindqwen = mindqwen.cli:main"]},

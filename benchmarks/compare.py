@@ -6,7 +6,11 @@ first, so both see the same machine state. Figures are medians over the rounds; 
 mindqwen / peer (tokens/s: > 1 is faster; peak RSS: < 1 is leaner). Not part of CI.
 
     python benchmarks/compare.py --peer /path/to/peer-venv/bin/python [--rounds 2]
-                                 [--workloads lora,full,gen] [--fusion]
+                                 [--workloads lora,full,gen] [--shape qwen2.5-0.5b] [--batch 1 --seq 512]
+                                 [--layers N] [--no-fusion]
+
+The peer builds the same dimensions (``--vocab-size``, ``--hidden-size``, … from the shape); it
+models the Qwen2 architecture, so Qwen3 shapes are not compared.
 
 The peer's virtualenv needs torch's CPU wheel (``pip install torch==2.13.0 --index-url
 https://download.pytorch.org/whl/cpu``), transformers and peft: never the project's own.
@@ -19,21 +23,37 @@ import subprocess
 import sys
 from typing import Dict, List
 
+from train import SHAPES, shape_config
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "bench", "peer_hf_lora.py")
 FIGURES = {"train": ("tokens_per_s", "step_ms", "peak_rss_mb", "mfu", "compile_s"),
            "gen": ("tokens_per_s", "decode_tokens_per_s", "peak_rss_mb")}
 
 
-def commands(workload: str, peer_python: str, peer_script: str, fusion: bool) -> Dict[str, List[str]]:
+def peer_shape_flags(shape: str, layers: int) -> List[str]:
+    """The peer's model flags for a benchmark shape."""
+    config = shape_config(shape, layers)
+    if config.get("model_type", "qwen2") != "qwen2":
+        sys.exit(f"--shape {shape}: the peer models Qwen2 only")
+    flags = [f"--{k.replace('_', '-')}={config[k]}" for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps")]
+    return flags + ([] if config["tie_word_embeddings"] else ["--no-tie-word-embeddings"])
+
+
+def commands(workload: str, peer_python: str, args: argparse.Namespace) -> Dict[str, List[str]]:
     """(mindqwen, peer) command lines of one workload."""
+    shape = ["--shape", args.shape, *(["--layers", str(args.layers)] if args.layers else [])]
+    peer = [peer_python, args.peer_script, "--threads", "2", *peer_shape_flags(args.shape, args.layers)]
     if workload == "gen":
-        return {"mindqwen": [sys.executable, os.path.join(HERE, "generate.py"), "--batches", "1"],
-                "peer": [peer_python, peer_script, "--gen", "--threads", "2", "--clean-steps", "3"]}
+        return {"mindqwen": [sys.executable, os.path.join(HERE, "generate.py"), "--batches", "1", *shape],
+                "peer": [*peer, "--gen", "--clean-steps", "3"]}
     full = ["--full"] if workload == "full" else []
-    return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full,
-                         *(["--fusion"] if fusion else [])],
-            "peer": [peer_python, peer_script, "--threads", "2", "--clean-steps", "10", *full]}
+    size = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+    return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full, *shape, *size,
+                         *([] if args.fusion else ["--no-fusion"])],
+            "peer": [*peer, "--clean-steps", str(args.steps - 3), *full, *size[:4]]}
 
 
 def run(cmd: List[str]) -> dict:
@@ -71,13 +91,19 @@ def main() -> None:
     ap.add_argument("--peer-script", default=PEER_SCRIPT)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", default="lora,full,gen")
-    ap.add_argument("--fusion", action="store_true", help="mindqwen's training with CPU graph-kernel fusion")
+    ap.add_argument("--shape", default="bench-small", choices=SHAPES)
+    ap.add_argument("--layers", type=int, default=0, help="override the shape's depth")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=13, help="train steps per run (3 warm-up)")
+    ap.add_argument("--no-fusion", dest="fusion", action="store_false", help="mindqwen without CPU fusion")
     args = ap.parse_args()
-    out = {"benchmark": "compare", "rounds": args.rounds, "fusion": args.fusion}
+    out = {"benchmark": "compare", "rounds": args.rounds, "fusion": args.fusion, "shape": args.shape,
+           "layers": args.layers or None, "batch": args.batch, "seq": args.seq}
     for workload in args.workloads.split(","):
         if workload not in ("lora", "full", "gen"):
             sys.exit(f"unknown workload {workload!r}: lora, full or gen")
-        out[workload] = compare(workload, commands(workload, args.peer, args.peer_script, args.fusion), args.rounds)
+        out[workload] = compare(workload, commands(workload, args.peer, args), args.rounds)
     print(json.dumps(out))
 
 

@@ -5,7 +5,7 @@ Every point is a fresh process (``benchmarks/train.py`` with few steps), because
 process-lifetime high-water mark.
 
     python benchmarks/memory.py [--seqs 128,256,512] [--batches 1,4] [--recompute none,full]
-                                [--full] [--fusion] [--plot docs/img/memory.png]
+                                [--full] [--no-fusion] [--plot docs/img/memory.png]
 """
 import argparse
 import json
@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def point(seq: int, batch: int, recompute: str, full: bool, fusion: bool, steps: int) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "train.py"), "--seq", str(seq), "--batch", str(batch),
            "--recompute", recompute, "--steps", str(steps), "--warmup", "1", "--threads", "2",
-           *(["--full"] if full else []), *(["--fusion"] if fusion else [])]
+           *(["--full"] if full else []), *([] if fusion else ["--no-fusion"])]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--recompute", default="none,full")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--full", action="store_true")
-    ap.add_argument("--fusion", action="store_true")
+    ap.add_argument("--no-fusion", dest="fusion", action="store_false")
     ap.add_argument("--plot", help="write a PNG of peak RSS against sequence length (needs matplotlib)")
     args = ap.parse_args()
     points = [point(int(s), int(b), r, args.full, args.fusion, args.steps)

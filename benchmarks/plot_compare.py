@@ -1,9 +1,9 @@
 """Bar charts (PNG) of compare.py results: tokens/s and peak RSS, mindqwen beside the peer.
 
-    python benchmarks/compare.py --peer PY > a.json; python benchmarks/compare.py --peer PY --fusion > b.json
+    python benchmarks/compare.py --peer PY > a.json; python benchmarks/compare.py --peer PY --no-fusion > b.json
     python benchmarks/plot_compare.py a.json b.json --out docs/img/throughput.png
 
-Each input is one compare.py JSON line; a workload run with ``--fusion`` is labelled so. Only the
+Each input is one compare.py JSON line; a workload run with ``--no-fusion`` is labelled so. Only the
 training workloads are drawn (decode tokens/s is two orders of magnitude smaller).
 """
 import argparse
@@ -21,7 +21,7 @@ def bars(results: list) -> list:
     for res in results:
         for workload in ("lora", "full"):
             if workload in res:
-                label = workload + (" + fusion" if res.get("fusion") else "")
+                label = f"{res.get('shape', 'bench-small')} {workload}" + ("" if res.get("fusion", True) else ", no fusion")
                 rows.append((label, res[workload]["mindqwen"], res[workload]["peer"]))
     return rows
 

@@ -4,7 +4,7 @@ Builds the step exactly as train.py does (same options), runs ``--warmup`` steps
 ``--steps`` more, and prints the op types by total time (ms per step and share), and the
 single ops that cost the most.
 
-    python benchmarks/profile.py [--full] [--fusion] [--steps 3] [--top 12] [--out /tmp/mindqwen_profile]
+    python benchmarks/profile.py [--full] [--no-fusion] [--steps 3] [--top 12] [--out /tmp/mindqwen_profile]
 """
 import csv
 import glob

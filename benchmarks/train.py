@@ -1,19 +1,21 @@
-"""Training throughput on bench-small (../shared/bench/README.md): one JSON line.
+"""Training throughput on bench-small (../shared/bench/README.md) or a real shape: one JSON line.
 
-Qwen2 shapes (vocab 16384, hidden 512, intermediate 1408, 4 layers, 8 heads / 2 KV heads, tied
-embeddings), random init (seed 0), fp32, batch 4 × 256, AdamW lr 1e-4, LoRA r 8 / alpha 32 on
-q_proj, v_proj (``--full`` for a full fine-tune). Data as the peer script draws it:
+``--shape bench-small`` (default): Qwen2 shapes (vocab 16384, hidden 512, intermediate 1408,
+4 layers, 8 heads / 2 KV heads, tied embeddings), batch 4 × 256. ``--shape qwen2.5-0.5b`` (and
+the other names in ``mindqwen.presets``): that model's dimensions, random init. Always fp32,
+AdamW lr 1e-4, LoRA r 8 / alpha 32 on q_proj, v_proj (``--full`` for a full fine-tune), random
+init (seed 0). Data as the peer script draws it:
 ``default_rng(1234).integers(0, vocab, (steps, batch, seq))``, labels = input_ids.
 The timed region is one compiled optimizer step (the same ``Stepper`` that ``fit`` uses);
 ``tokens_per_s`` is batch·seq over the median step time after ``--warmup`` steps, ``mfu`` is the
 achieved matmul FLOP rate over the fp32 matmul rate measured in the same process.
 
-    python benchmarks/train.py [--full] [--fusion] [--steps 20] [--recompute none|full] [--threads 2]
-                               [--compile-cache DIR]
+    python benchmarks/train.py [--shape qwen2.5-0.5b] [--batch 1 --seq 512] [--full] [--no-fusion]
+                               [--steps 20] [--recompute none|full|attention|mlp] [--recompute-every K]
+                               [--threads 2] [--compile-cache DIR]
 
-``--fusion`` turns on MindSpore's graph-kernel (AKG) fusion for the CPU with the settings that
-docs/performance.md explains; they are environment variables read when MindSpore loads, so they
-are set here before the import (AKG's build server also needs ``pip install decorator``).
+mindqwen's defaults are what is measured (CPU graph-kernel fusion on, see ``mindqwen.backend``);
+``--no-fusion`` turns fusion off, as it was before it became the default.
 """
 import argparse
 import json
@@ -22,40 +24,47 @@ import statistics
 import sys
 import time
 
-# Read when MindSpore (and libgomp) load: set before `import mindspore`.
-CPU_FUSION_ENV = {
-    "OMP_WAIT_POLICY": "PASSIVE",  # fused kernels run on libgomp threads: no spinning on 2 cores
-    "MS_DEV_GRAPH_KERNEL_FLAGS": "--opt_level=2 --disable_cluster_ops=Exp,Log --composite_op_limit_size=50",
-    "AKG_WHITE_LIST_PATH": "/",  # silences AKG's tiling-repository lines on stdout
-}
-
 BENCH_SMALL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
                    tie_word_embeddings=True, max_position_embeddings=2048)
+SHAPES = ("bench-small", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b")
+
+
+def shape_config(name: str, layers: int = 0) -> dict:
+    """QwenConfig keyword arguments of a benchmark shape (``layers`` > 0 overrides the depth)."""
+    from mindqwen.presets import PRESETS
+    config = dict(BENCH_SMALL) if name == "bench-small" else dict(PRESETS[name], max_position_embeddings=4096)
+    if layers:
+        config["num_hidden_layers"] = layers
+    return config
 
 
 def parser(description: str) -> argparse.ArgumentParser:
     """The bench-small options (shared with profile.py)."""
     ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--shape", default="bench-small", choices=SHAPES)
     ap.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=0, help="override the shape's depth")
     ap.add_argument("--recompute", default="none", choices=["none", "full", "attention", "mlp"])
+    ap.add_argument("--recompute-every", type=int, default=1, help="recompute only every K-th layer")
     ap.add_argument("--threads", type=int, default=0, help="CPU op threads (0: MindSpore's default)")
-    ap.add_argument("--fusion", action="store_true", help="graph-kernel fusion (see the module docstring)")
+    ap.add_argument("--no-fusion", dest="fusion", action="store_false",
+                    help="turn off CPU graph-kernel fusion (mindqwen's default)")
     return ap
 
 
 def build(args: argparse.Namespace) -> tuple:
-    """Set the environment, import MindSpore, build the model, its ``Stepper`` and the data."""
-    if args.fusion:
-        os.environ.update(CPU_FUSION_ENV)
+    """Import mindqwen (then MindSpore), build the model, its ``Stepper`` and the data."""
+    from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora
+    from mindqwen import backend
+    if not args.fusion or getattr(args, "compile_cache", None):  # the compile cache excludes fusion
+        backend.disable_cpu_fusion()
     import mindspore as ms
     import numpy as np
-    from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora
     from mindqwen.train.optim import WarmupSchedule, make_optimizer
     from mindqwen.train.precision import PrecisionConfig, make_loss_scaler
     from mindqwen.train.recompute import apply_recompute
@@ -65,11 +74,13 @@ def build(args: argparse.Namespace) -> tuple:
     if args.threads:
         ms.device_context.cpu.op_tuning.threads_num(args.threads)
     ms.set_seed(0)
-    config = QwenConfig(**{**BENCH_SMALL, "num_hidden_layers": args.layers})
+    config = QwenConfig(**shape_config(args.shape, args.layers))
+    t = time.perf_counter()
     model = QwenForCausalLM(config)
+    args.build_s = time.perf_counter() - t
     if not args.full:
         apply_lora(model, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
-    apply_recompute(model, args.recompute)
+    apply_recompute(model, args.recompute, args.recompute_every)
     model.set_train(True)
     optimizer = make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-4, args.steps))
     stepper = Stepper(model, optimizer, make_loss_scaler(PrecisionConfig()), clip_norm=0.0)
@@ -102,8 +113,9 @@ def main() -> None:
     peak = measure_matmul_peak_gflops()
     print(json.dumps({
         "benchmark": "train", "framework": "mindqwen (MindSpore %s, graph mode)" % ms.__version__,
-        "mode": "full" if args.full else "lora", "fusion": args.fusion, "config": "bench-small", "layers": args.layers,
-        "batch": args.batch, "seq": args.seq, "recompute": args.recompute, "steps": args.steps,
+        "mode": "full" if args.full else "lora", "fusion": args.fusion, "shape": args.shape,
+        "layers": config.num_hidden_layers, "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
+        "recompute_every": args.recompute_every, "steps": args.steps, "build_s": round(args.build_s, 1),
         "compile_cache": bool(args.compile_cache),
         "tokens_per_s": round(tokens / step_s, 1), "step_ms": round(step_s * 1e3, 1),
         "compile_s": round(times[0] - step_s, 2), "peak_rss_mb": round(peak_memory_mb()),

@@ -1,9 +1,14 @@
 """mindqwen: MindSpore-native training and deployment of Qwen2 / Qwen2.5 / Qwen3 models.
 
 The public names load on first use (PEP 562), so ``import mindqwen.data…`` in a preprocessing
-worker does not pay for importing MindSpore.
+worker does not pay for importing MindSpore. Importing mindqwen before MindSpore lets it set
+what MindSpore reads only when it loads (``mindqwen.backend``).
 """
 import importlib
+
+from mindqwen import backend
+
+backend.prepare_process()
 
 __version__ = "0.1.0"
 

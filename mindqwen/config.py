@@ -18,6 +18,9 @@ from mindqwen.io.jsonfile import read_json
 # HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture.
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+# The loss holds one (rows, vocab) fp32 block of logits at a time, of at most 2^25 elements
+# (128 MB): 220 rows at Qwen's 151,936-token vocabulary, where one 512-token row is 311 MB.
+LOSS_CHUNK_ELEMENTS = 1 << 25
 
 
 class ConfigError(ValueError):
@@ -130,6 +133,11 @@ class QwenConfig:
         elif "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
             raise ConfigError("use_sliding_window is true but sliding_window is not a positive "
                               f"integer (got {self.sliding_window!r})")
+
+    @property
+    def loss_chunk_rows(self) -> int:
+        """Rows of logits per block of the chunked loss (``LOSS_CHUNK_ELEMENTS``)."""
+        return max(1, LOSS_CHUNK_ELEMENTS // self.vocab_size)
 
     # ------------------------------------------------------------------ rotary tables
     def rope_inv_freq(self) -> tuple:

@@ -10,7 +10,8 @@ Per device under data (dp) × tensor (tp) × pipeline (pp) parallel, the worst p
     accumulate   trainable/(tp·pp) × bytes(param dtype)     only with gradient_accumulation > 1
     activations  layers/pp × per-layer(tokens) / tp          or, with recompute, one layer's input per
                                                               layer plus one full layer
-    logits       tokens × vocab/tp × (2|4 + 4 + 4)          logits, fp32 copy, gradient (last stage)
+    logits       rows × vocab/tp × (2|4 + 4 + 4)            logits, fp32 copy, gradient (last stage);
+                 rows = min(tokens, loss block rows), all tokens under tensor parallel
     runtime      the framework's own memory (measured once per device kind)
 
 On CPU the activation term is scaled by a measured factor (see ``CPU_ACTIVATION_FACTOR``).
@@ -32,13 +33,13 @@ HEADROOM = 0.9
 # CPU: MindSpore's resident runtime and compiled graph, measured on this machine kind
 # (benchmarks/estimate_check.py).
 DEVICES: Dict[str, Tuple[float, float]] = {"910B": (64.0, 3.0), "910A": (32.0, 3.0), "310P": (24.0, 2.0)}
-# MindSpore's CPU backend keeps every intermediate of the compiled step alive (no buffer reuse
-# across the backward pass), ~5.3× what the layer saves for backward, and recompute does not
-# lower it (docs/performance.md). Both CPU figures are a least-squares fit to six measured
-# bench-small configurations (benchmarks/estimate_check.py, within ±6%); the test checks a
-# configuration outside the fit.
-CPU_RUNTIME_GB = 0.70
-CPU_ACTIVATION_FACTOR = 5.3
+# MindSpore's CPU step, with the graph-kernel fusion mindqwen turns on by default, keeps ~0.77×
+# what the layers save for backward (unfused it kept ~5.3×: per-kernel index buffers), and
+# recompute lowers it little (docs/performance.md). Both CPU figures are a least-squares fit to
+# six measured bench-small configurations (benchmarks/estimate_check.py, within −13%…+12%);
+# the test checks a configuration outside the fit.
+CPU_RUNTIME_GB = 0.78
+CPU_ACTIVATION_FACTOR = 0.77
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # logits (low precision under O2/O3, else fp32) + their fp32 copy for the loss + its gradient
 LOGIT_BYTES = {False: 4 + 4 + 4, True: 2 + 4 + 4}
@@ -112,6 +113,8 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     tokens = trainer.micro_batch_size * seq // micro
     in_flight = tokens * min(pp, micro)
     per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash) / tp
+    # The loss takes the logits in blocks of loss_chunk_rows rows, except under tensor parallel.
+    logit_rows = tokens if tp > 1 else min(tokens, config.loss_chunk_rows)
     if cpu:
         kept = CPU_ACTIVATION_FACTOR * stage_layers * per_layer
     elif trainer.recompute == "full":
@@ -120,7 +123,7 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
         kept = stage_layers * per_layer
     parts = {"weights": params * weight_bytes, "gradients": trainable * state_bytes,
              "optimizer": 2 * trainable * state_bytes, "activations": kept,
-             "logits": tokens * config.vocab_size / tp * LOGIT_BYTES[level in ("O2", "O3")], "runtime": runtime}
+             "logits": logit_rows * config.vocab_size / tp * LOGIT_BYTES[level in ("O2", "O3")], "runtime": runtime}
     if trainer.gradient_accumulation > 1:
         parts["accumulators"] = trainable * state_bytes
     notes = [] if trainer.recompute == "full" or cpu else ["trainer.recompute=full"]

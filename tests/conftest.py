@@ -1,6 +1,7 @@
 """Shared test set-up: CPU device, fixture paths, and a GRAPH/PYNATIVE mode switch."""
 import os
 
+import mindqwen  # noqa: F401  first, as users should: it sets what MindSpore reads when it loads
 import mindspore as ms
 import numpy as np
 import pytest
@@ -29,10 +30,17 @@ def mode(request):
     ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _in_tmp_cwd(tmp_path_factory):
+    """Graph compile failures write rank_0/ and CPU fusion writes akg_kernel_meta/ into the cwd:
+    keep them out of the checkout. One folder for the session: MindSpore finds the fused kernels
+    it built under the cwd of their first compile (after a chdir it fails to compile a graph
+    that reuses one)."""
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(autouse=True)
-def _in_tmp_cwd(tmp_path, monkeypatch):
-    """Graph compile failures write rank_0/ into the cwd: keep it out of the checkout.
-    fit() selects its own mode: every test starts again from PyNative."""
-    monkeypatch.chdir(tmp_path)
+def _pynative_after():
+    """fit() selects its own mode: every test starts again from PyNative."""
     yield
     ms.set_context(mode=ms.PYNATIVE_MODE)

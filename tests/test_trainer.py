@@ -15,7 +15,6 @@ from conftest import fixture_path
 from mindqwen import LoraConfig, apply_lora, from_pretrained
 from mindqwen.data.loader import BatchLoader, TokenDataset
 from mindqwen.train import checkpoint
-from mindqwen.train.compile_cache import compile_cache
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.loop import TrainingDiverged, fit
 from mindqwen.train.optim import WarmupSchedule, make_optimizer, param_groups, schedule_values
@@ -222,27 +221,60 @@ def test_compile_cache_loads_the_same_graphs_and_keys_a_changed_network_apart(tm
     assert full[-1] != pytest.approx(plain[-1], abs=1e-3)  # but the full model trains differently
 
 
-def test_a_second_compile_cache_folder_in_one_process_is_not_used(tmp_path):
-    """MindSpore fixes the cache folder at its first use and numbers graphs by compile order, so
-    graphs of a second, different block must not land in the first folder (nor in the second)."""
-    class Affine(nn.Cell):
-        def __init__(self, k):
-            super().__init__()
-            self.k = k
+_CACHE_RULES = """
+import os, sys, warnings
+import mindqwen
+import mindspore as ms
+import numpy as np
+from mindspore import nn
+from mindqwen.train.compile_cache import compile_cache
 
-        def construct(self, x):
-            return x * self.k + 1
+class Affine(nn.Cell):
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
 
-    x = ms.Tensor(np.ones(3, np.float32))
-    first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    ms.set_context(mode=ms.GRAPH_MODE)
+    def construct(self, x):
+        return x * self.k + 1
+
+first, second, fusion = sys.argv[1], sys.argv[2], sys.argv[3] == "fusion"
+if fusion:
+    mindqwen.backend.use_cpu_fusion()  # as building a model on the CPU does
+else:
+    mindqwen.backend.disable_cpu_fusion()
+ms.set_device("CPU")
+ms.set_context(mode=ms.GRAPH_MODE)
+x = ms.Tensor(np.ones(3, np.float32))
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
     with compile_cache(first):
         assert Affine(2.0)(x).asnumpy().tolist() == [3.0] * 3
-    with pytest.warns(UserWarning, match="compile without the cache"), compile_cache(second):
+    with compile_cache(second):
         assert Affine(3.0)(x).asnumpy().tolist() == [4.0] * 3
-    cached = [f for _, _, files in os.walk(first) for f in files if f.endswith(".mindir")]
-    assert cached == ["compile_cache_0.mindir"] and not os.path.exists(second)
-    assert "MS_COMPILER_CACHE_ENABLE" not in os.environ
+assert "MS_COMPILER_CACHE_ENABLE" not in os.environ
+print("|".join(str(w.message) for w in seen))
+"""
+
+
+@pytest.mark.parametrize("fusion", ["no-fusion", "fusion"])
+def test_compile_cache_uses_one_folder_per_process_and_never_with_fusion(tmp_path, fusion):
+    """MindSpore fixes the cache folder at its first use and numbers graphs by compile order, so
+    graphs of a second, different block must not land in the first folder (nor in the second).
+    With CPU fusion on, the first fused compile fixes the folder to the working directory, so
+    nothing is cached at all."""
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    script = tmp_path / "rules.py"  # a file: MindSpore's cache hashes the entry script
+    script.write_text(_CACHE_RULES)
+    r = subprocess.run([sys.executable, str(script), first, second, fusion], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path, env={**os.environ, "GLOG_v": "3"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    cached = [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith(".mindir")]
+    assert not os.path.exists(second)
+    if fusion == "fusion":
+        assert cached == [] and r.stdout.count("graph-kernel fusion, which MindSpore cannot cache") == 2
+    else:
+        assert cached == ["compile_cache_0.mindir"] and os.listdir(first) == ["rank_0"]
+        assert "compile without the cache" in r.stdout
 
 
 def test_a_kill_during_checkpoint_write_leaves_no_valid_looking_checkpoint(tmp_path):

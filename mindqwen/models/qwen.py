@@ -18,6 +18,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from mindqwen import backend
 from mindqwen.config import QwenConfig
 
 # Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
@@ -25,9 +26,6 @@ from mindqwen.config import QwenConfig
 MASK_VALUE = -1e9
 IGNORE_INDEX = -100
 INIT_STD = 0.02
-# The loss holds one (rows, V) fp32 block of logits at a time: 2^25 elements (128 MB), i.e.
-# 220 rows at Qwen's 151,936-token vocabulary, instead of 311 MB for each 512-token row.
-LOSS_CHUNK_ELEMENTS = 1 << 25
 
 
 def default_use_fused_ops() -> bool:
@@ -435,6 +433,8 @@ class QwenForCausalLM(nn.Cell):
     def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None):
         super().__init__()
         self.config = config
+        if ms.get_context("device_target") == "CPU":
+            backend.use_cpu_fusion()  # graph-kernel fusion: half the peak memory (mindqwen.backend)
         if use_fused_ops is None:
             use_fused_ops = default_use_fused_ops()
         self.model = QwenModel(config, dtype, use_fused_ops)
@@ -443,9 +443,9 @@ class QwenForCausalLM(nn.Cell):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.vocab_size = config.vocab_size
-        # (rows, V) fp32 logit blocks of at most LOSS_CHUNK_ELEMENTS; rows = 0 (set by tensor
+        # (rows, V) fp32 logit blocks (config.LOSS_CHUNK_ELEMENTS); rows = 0 (set by tensor
         # parallel, which shards ``head_matmul``) takes the loss over all rows at once.
-        self.chunked_loss = ChunkedCrossEntropy(max(1, LOSS_CHUNK_ELEMENTS // config.vocab_size))
+        self.chunked_loss = ChunkedCrossEntropy(config.loss_chunk_rows)
 
     def construct(self, input_ids, attention_mask=None, labels=None):
         h = self.model(input_ids, attention_mask)

@@ -13,6 +13,13 @@ they compile in (measured). So only the first folder a process asks for is used;
 without the cache, instead of adding them to the first folder where another run could load them.
 
 Loaded graphs match compiled ones to ~1e-6 per step, not bit for bit (tests/test_trainer.py).
+
+A process that compiles with CPU graph-kernel fusion cannot use the cache: its first fused
+compile fixes the cache folder (to the working directory), and MindSpore 2.10 fails to compile
+fused graphs with the cache on ("the node output kernel object types size just 0"). So the cache
+is refused, with a warning, once fusion is on; ``mindqwen train`` with ``trainer.compile_cache``
+turns fusion off before it builds the model (``mindqwen.backend.disable_cpu_fusion``), trading
+fusion's memory saving for the shorter start.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import mindspore as ms
 from mindspore import nn
 
 import mindqwen
+from mindqwen import backend
 
 # Settings that never reach a graph: excluded so that resumed and re-run jobs share a cache.
 _HOST_ONLY = ("output_dir", "resume", "progress", "tensorboard", "compile_cache", "save_every", "keep_last")
@@ -70,6 +78,11 @@ def compile_cache(path: Optional[str]) -> Iterator[None]:
     asking for another folder than the process's first compiles without the cache, with a warning.
     """
     global _process_folder
+    if path is not None and backend.fusion_enabled():
+        warnings.warn(f"compile cache: this process compiles with CPU graph-kernel fusion, which MindSpore cannot "
+                      f"cache, so these graphs compile without the cache ({path}); call "
+                      "mindqwen.backend.disable_cpu_fusion() before building the model to use it", stacklevel=3)
+        path = None
     if path is not None and _process_folder not in (None, path):
         warnings.warn(f"compile cache: this process already caches into {_process_folder} and MindSpore cannot "
                       f"switch folders, so these graphs compile without the cache ({path})", stacklevel=3)

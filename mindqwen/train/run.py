@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import mindspore as ms
 import numpy as np
 
+from mindqwen import backend
 from mindqwen.config import QwenConfig
 from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs, write_pairs
 from mindqwen.data.loader import TokenDataset
@@ -89,6 +90,8 @@ def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> Qwen
 
 def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
     """Run ``recipe``; returns (and writes as ``summary.json``) its figures and output paths."""
+    if recipe.trainer.compile_cache:  # MindSpore cannot cache fused graphs (train/compile_cache.py)
+        backend.disable_cpu_fusion()
     if recipe.multimodal is not None:
         from mindqwen.multimodal.run import train_multimodal_recipe
         return train_multimodal_recipe(recipe, recipe_text)

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+import mindqwen  # noqa: F401  before MindSpore, as users should
 import mindspore as ms
 import numpy as np
 
@@ -32,6 +33,8 @@ def main():
     ap.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
     ap.add_argument("--compile-cache", default=None)
     args = ap.parse_args()
+    if args.compile_cache:  # MindSpore cannot cache fused graphs (mindqwen/train/compile_cache.py)
+        mindqwen.backend.disable_cpu_fusion()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)  # LoRA A is drawn before fit() seeds: fix it here
     rank, world = init_parallel()

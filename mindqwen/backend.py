@@ -1,0 +1,64 @@
+"""Process-wide MindSpore settings that mindqwen applies by default on the CPU.
+
+MindSpore's CPU kernels keep per-kernel index buffers for every broadcasting element-wise op;
+graph-kernel (AKG) fusion merges those chains into single kernels, which halves the peak memory
+of a training step and makes it faster (docs/performance.md). Two settings make it work:
+
+- ``OMP_WAIT_POLICY=PASSIVE``: the fused kernels run on libgomp threads, and spinning ones cost
+  ~30% on 2 cores. libgomp reads it once, when ``import mindspore`` loads it, so ``import
+  mindqwen`` sets it only while MindSpore is not imported yet.
+- ``MS_DEV_GRAPH_KERNEL_FLAGS`` (and AKG's own variables): read at each graph compile, so they
+  are set when a mindqwen model is built on the CPU.
+
+Variables the user has set are never overridden: ``MS_DEV_GRAPH_KERNEL_FLAGS=--opt_level=0``
+(or ``disable_cpu_fusion()`` before the model is built) turns fusion off.
+
+Fusion and MindSpore's compile cache (``trainer.compile_cache``) exclude each other in one
+process: the first fused compile fixes MindSpore's cache folder (to the working directory), so
+later cached graphs would land there instead of in their own folders (measured).
+"""
+import os
+import sys
+import warnings
+
+# --opt_level=2 turns fusion on for the CPU; Exp/Log stay unfused (fused, they moved the loss by
+# 3e-5), and so does Cast (AKG fails to build fused fp16 casts: "composite_topi.cc: Check failed:
+# attr->IsInstance<StringImm>()"; unfused, fp32 steps measured the same); small clusters keep
+# AKG's compile of each fused kernel short.
+CPU_FUSION_FLAGS = "--opt_level=2 --disable_cluster_ops=Exp,Log,Cast --composite_op_limit_size=50"
+
+_imported_after_mindspore = "mindspore" in sys.modules
+
+
+def prepare_process() -> None:
+    """Called by ``import mindqwen``: settings that only count before MindSpore loads."""
+    if not _imported_after_mindspore:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def fusion_enabled() -> bool:
+    """Whether graphs compiled now get CPU graph-kernel fusion."""
+    flags = os.environ.get("MS_DEV_GRAPH_KERNEL_FLAGS", "")
+    return bool(flags) and "--opt_level=0" not in flags
+
+
+def disable_cpu_fusion() -> None:
+    """Compile without graph-kernel fusion from now on (before the model is built: the compile
+    cache needs a process that has compiled no fused graph)."""
+    os.environ["MS_DEV_GRAPH_KERNEL_FLAGS"] = "--opt_level=0"
+
+
+def use_cpu_fusion() -> None:
+    """Turn on graph-kernel fusion for the graphs this process compiles from now on (CPU only).
+
+    AKG builds the fused kernels into ``akg_kernel_meta/`` in the working directory, where later
+    runs from the same folder reuse them. (``MS_COMPILER_CACHE_PATH`` would move them, but
+    MindSpore fixes that folder at its first use, and ``trainer.compile_cache`` needs it.)
+    """
+    if "MS_DEV_GRAPH_KERNEL_FLAGS" not in os.environ and _imported_after_mindspore \
+            and "OMP_WAIT_POLICY" not in os.environ:
+        warnings.warn("mindspore was imported before mindqwen, so its OpenMP threads spin: CPU training "
+                      "runs ~30% slower. Import mindqwen first, or export OMP_WAIT_POLICY=PASSIVE.",
+                      stacklevel=3)
+    os.environ.setdefault("MS_DEV_GRAPH_KERNEL_FLAGS", CPU_FUSION_FLAGS)
+    os.environ.setdefault("AKG_WHITE_LIST_PATH", "/")  # silences AKG's tiling-repository lines on stdout
