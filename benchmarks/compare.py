@@ -27,8 +27,9 @@ from train import SHAPES, shape_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "bench", "peer_hf_lora.py")
-FIGURES = {"train": ("tokens_per_s", "step_ms", "peak_rss_mb", "mfu", "compile_s"),
-           "gen": ("tokens_per_s", "decode_tokens_per_s", "peak_rss_mb")}
+FIGURES = {"train": ("tokens_per_s", "step_ms", "peak_rss_mb", "mfu", "compile_s", "build_s"),
+           "gen": ("tokens_per_s", "decode_tokens_per_s", "peak_rss_mb", "first_token_s", "compile_s",
+                   "floor_tokens_per_s", "decode_of_floor")}
 
 
 def peer_shape_flags(shape: str, layers: int) -> List[str]:
@@ -47,13 +48,13 @@ def commands(workload: str, peer_python: str, args: argparse.Namespace) -> Dict[
     shape = ["--shape", args.shape, *(["--layers", str(args.layers)] if args.layers else [])]
     peer = [peer_python, args.peer_script, "--threads", "2", *peer_shape_flags(args.shape, args.layers)]
     if workload == "gen":
-        return {"mindqwen": [sys.executable, os.path.join(HERE, "generate.py"), "--batches", "1", *shape],
-                "peer": [*peer, "--gen", "--clean-steps", "3"]}
+        return {"mindqwen": [sys.executable, os.path.join(HERE, "generate.py"), "--batches", "1", "--repeats", "3", *shape],
+                "peer": [*peer, "--gen", "--clean-steps", "3", "--steps", "5"]}
     full = ["--full"] if workload == "full" else []
     size = ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
     return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full, *shape, *size,
                          *([] if args.fusion else ["--no-fusion"])],
-            "peer": [*peer, "--clean-steps", str(args.steps - 3), *full, *size[:4]]}
+            "peer": [*peer, "--clean-steps", str(args.steps - 3), *full, *size]}
 
 
 def run(cmd: List[str]) -> dict:
@@ -62,7 +63,7 @@ def run(cmd: List[str]) -> dict:
         sys.exit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if "batch_1" in out:  # benchmarks/generate.py nests per batch size
-        out = {**out["batch_1"], "peak_rss_mb": out.get("peak_rss_mb")}
+        out = {**out["batch_1"], **{k: out.get(k) for k in ("peak_rss_mb", "floor_tokens_per_s", "decode_of_floor")}}
     return out
 
 

@@ -21,7 +21,7 @@ def point(args: argparse.Namespace, layers: int, seq: int, flip: bool) -> dict:
     out = {}
     for who in (("peer", "mindqwen") if flip else ("mindqwen", "peer")):
         res = run(cmds[who])
-        out[who] = {k: res.get(k) for k in ("tokens_per_s", "peak_rss_mb")}
+        out[who] = {k: res.get(k) for k in ("tokens_per_s", "peak_rss_mb", "compile_s")}
         print(f"layers {layers} seq {seq} {who}: {out[who]}", file=sys.stderr, flush=True)
     return {"layers": layers, "seq": seq, **out}
 
