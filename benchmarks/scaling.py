@@ -6,6 +6,7 @@ length changed. Not part of CI.
 
     python benchmarks/scaling.py --peer PEER_VENV/bin/python [--shape qwen2.5-0.5b]
         [--depths 4,8,16,24] [--seqs 256,512,1024] [--depth-seq 512] [--steps 6] [--out docs/img/scaling.png]
+    python benchmarks/scaling.py --replot RESULT.json --out docs/img/scaling.png
 """
 import argparse
 import json
@@ -31,8 +32,12 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    deepest = max(p["layers"] for p in result["depth"])
+    by_seq = {p["seq"]: p for p in result["depth"] if p["layers"] == deepest}  # the depth sweep's deepest
+    by_seq.update({p["seq"]: p for p in result["seq"]})  # point is also a sequence point
+    sweeps = {"depth": result["depth"], "seq": [by_seq[k] for k in sorted(by_seq)]}
     for row, (sweep, x) in enumerate((("depth", "layers"), ("seq", "seq"))):
-        points = result[sweep]
+        points = sweeps[sweep]
         for col, (key, title) in enumerate((("tokens_per_s", "tokens/s"), ("peak_rss_mb", "peak RSS, MB"))):
             ax = axes[row][col]
             for who, label in (("mindqwen", "mindqwen"), ("peer", "HF + PEFT (torch)")):
@@ -48,7 +53,8 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--peer", required=True)
+    ap.add_argument("--peer")
+    ap.add_argument("--replot", help="draw a saved result (this script's JSON line) again")
     ap.add_argument("--peer-script", default=PEER_SCRIPT)
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=SHAPES)
     ap.add_argument("--depths", default="4,8,16,24")
@@ -57,6 +63,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", help="PNG path")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot, encoding="utf-8") as f:
+            return plot(json.loads(f.read().strip().splitlines()[-1]), args.out)
+    if not args.peer:
+        ap.error("--peer is required")
     depths = [int(d) for d in args.depths.split(",")]
     result = {"benchmark": "scaling", "shape": args.shape, "steps": args.steps,
               "depth": [point(args, d, args.depth_seq, i % 2 == 1) for i, d in enumerate(depths)],

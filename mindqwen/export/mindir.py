@@ -53,7 +53,7 @@ def deploy_copy(model: QwenForCausalLM, dtype: str = "float32") -> QwenForCausal
     np_dtype = ms.dtype_to_nptype(DTYPES[dtype])
     for p in copy.get_parameters():
         value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
-        p.set_data(Tensor(value.astype(np_dtype)))
+        p.set_data(Tensor.from_numpy(np.ascontiguousarray(value, np_dtype)))  # adopted, not copied, at first run
     copy.set_train(False)
     return copy
 
