@@ -87,8 +87,7 @@ class ApplyGrads(nn.Cell):
         self.clip_norm, self.dynamic_scaling = float(clip_norm), dynamic_scaling
 
     def construct(self, grads, divisor):
-        if self.dynamic_scaling:  # 3. (otherwise the scale is 1: no copy of every gradient)
-            grads = self.scaler.unscale(grads)
+        grads = self.scaler.unscale(grads)  # 3.
         if divisor is not None:
             grads = _hyper_map(ops.partial(_div_grad, divisor), grads)
         if self.reducer is not None:  # 4.
