@@ -5,8 +5,9 @@ graph-kernel (AKG) fusion merges those chains into single kernels, which halves 
 of a training step and makes it faster (docs/performance.md). Two settings make it work:
 
 - ``OMP_WAIT_POLICY=PASSIVE``: the fused kernels run on libgomp threads, and spinning ones cost
-  ~30% on 2 cores. libgomp reads it once, when ``import mindspore`` loads it, so ``import
-  mindqwen`` sets it only while MindSpore is not imported yet.
+  ~40% on 2 cores (bench-small step 1.2–1.4 s against 0.85–0.9 s). libgomp reads it once, when
+  ``import mindspore`` loads it, so ``import mindqwen`` sets it only while MindSpore is not
+  imported yet.
 - ``MS_DEV_GRAPH_KERNEL_FLAGS`` (and AKG's own variables): read at each graph compile, so they
   are set when a mindqwen model is built on the CPU.
 
@@ -58,7 +59,7 @@ def use_cpu_fusion() -> None:
     if "MS_DEV_GRAPH_KERNEL_FLAGS" not in os.environ and _imported_after_mindspore \
             and "OMP_WAIT_POLICY" not in os.environ:
         warnings.warn("mindspore was imported before mindqwen, so its OpenMP threads spin: CPU training "
-                      "runs ~30% slower. Import mindqwen first, or export OMP_WAIT_POLICY=PASSIVE.",
+                      "runs ~40% slower. Import mindqwen first, or export OMP_WAIT_POLICY=PASSIVE.",
                       stacklevel=3)
     os.environ.setdefault("MS_DEV_GRAPH_KERNEL_FLAGS", CPU_FUSION_FLAGS)
     os.environ.setdefault("AKG_WHITE_LIST_PATH", "/")  # silences AKG's tiling-repository lines on stdout
