@@ -94,6 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     model, config, stepper, data = build(args)
     import mindspore as ms
+    from mindqwen import backend
     from mindqwen.train.compile_cache import compile_cache, graph_key
     from mindqwen.train.metrics import measure_matmul_peak_gflops, peak_memory_mb, train_flops_per_token
     rss_built = peak_memory_mb()
@@ -113,7 +114,7 @@ def main() -> None:
     peak = measure_matmul_peak_gflops()
     print(json.dumps({
         "benchmark": "train", "framework": "mindqwen (MindSpore %s, graph mode)" % ms.__version__,
-        "mode": "full" if args.full else "lora", "fusion": args.fusion, "shape": args.shape,
+        "mode": "full" if args.full else "lora", "fusion": backend.fusion_enabled(), "shape": args.shape,
         "layers": config.num_hidden_layers, "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
         "recompute_every": args.recompute_every, "steps": args.steps, "build_s": round(args.build_s, 1),
         "compile_cache": bool(args.compile_cache),
