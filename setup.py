@@ -19,6 +19,6 @@ setup(
         "tqdm",
         "decorator",  # MindSpore's AKG kernel builder (CPU graph-kernel fusion, on by default) imports it
     ],
-    extras_require={"test": ["pytest", "nbclient", "nbformat", "ipykernel", "tokenizers"], "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers"], "plot": ["matplotlib"]},
     entry_points={"console_scripts": ["mindqwen = mindqwen.cli:main"]},
 )

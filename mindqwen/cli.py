@@ -1,7 +1,9 @@
 """``mindqwen <command>``: a dictionary of subcommands to ordinary functions.
 
-Every command takes ``--help`` (with a worked example); errors print one line and exit 1
-(``--debug`` shows the traceback).
+Every command takes ``--help`` (with a worked example). Known errors print one line naming the
+file, key or tensor, and exit non-zero (``--debug`` shows the traceback); an unexpected error
+keeps its traceback. Exit codes: 0 success, 1 bad input (recipe, config, data, checkpoint,
+adapter, out of memory), 2 bad command line, 3 training diverged.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import os
 import shutil
 import sys
 from typing import Callable, Dict, List, Optional
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIVERGED = 0, 1, 2, 3
 
 
 def _parser(command: Callable, example: str) -> argparse.ArgumentParser:
@@ -36,7 +40,7 @@ def cmd_train(argv: List[str]) -> None:
     recipe = load_recipe(args.recipe, args.overrides)
     with open(args.recipe, encoding="utf-8") as f:
         text = f.read() + "".join(f"\n# override: {o}" for o in args.overrides)
-    summary = train_recipe(recipe, text)
+    summary = train_recipe(recipe, text, args.recipe)
     outputs = {**summary["train"]["outputs"], "export": summary.get("export", {}).get("folder")}
     if "loss_curve" in outputs and outputs["loss_curve"] is None:
         outputs["loss_curve"] = "none (pip install matplotlib)"
@@ -59,7 +63,7 @@ def cmd_eval(argv: List[str]) -> None:
     from mindqwen.data.tokenizer import SentencePieceTokenizer
     from mindqwen.evaluate import exact_match
     from mindqwen.train.loop import evaluate
-    from mindqwen.train.run import load_split
+    from mindqwen.data.sources import load_split
     tokenizer = SentencePieceTokenizer(args.tokenizer) if args.tokenizer else None
     data, pairs = load_split(args.data, tokenizer, args.seq_length)
     model = _load_model(args.model, args.adapter)
@@ -205,6 +209,8 @@ def _add_source_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qkv", choices=["contiguous", "interleaved"], help="mindformers side: fused q/k/v layout")
     p.add_argument("--mlp", choices=["contiguous", "interleaved"], help="mindformers side: fused gate/up layout")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="stored dtype (default: as read)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="read tensors holding NaN or inf (default: an error naming the tensor)")
 
 
 def _source_format(args, source: str) -> str:
@@ -231,7 +237,8 @@ def cmd_convert(argv: List[str]) -> None:
     from mindqwen.io.convert import convert
     src = _source_format(args, args.source)
     dst = args.dst or ("ms-ckpt" if args.target.endswith(".ckpt") else "hf")
-    convert(args.source, args.target, src, dst, args.config, args.dtype, args.qkv, args.mlp, args.max_shard_size)
+    convert(args.source, args.target, src, dst, args.config, args.dtype, args.qkv, args.mlp, args.max_shard_size,
+            args.allow_non_finite)
     print(f"wrote {args.target} ({dst})")
 
 
@@ -247,8 +254,9 @@ def cmd_merge(argv: List[str]) -> None:
     args = p.parse_args(argv)
     from mindqwen import load_adapter, merge_and_unload
     from mindqwen.io.convert import DTYPE_ALIASES, load_model
-    model = load_model(args.model, _source_format(args, args.model), args.config, args.qkv, args.mlp)
-    merged = merge_and_unload(load_adapter(model, args.adapter))
+    model = load_model(args.model, _source_format(args, args.model), args.config, args.qkv, args.mlp,
+                       args.allow_non_finite)
+    merged = merge_and_unload(load_adapter(model, args.adapter, args.allow_non_finite))
     merged.save_pretrained(args.output, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None)
     print(f"wrote {args.output}")
 
@@ -336,17 +344,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: mindqwen {" + ",".join(COMMANDS) + "} ...  (--help on each)\n"
               + "\n".join(f"  {name:11s} {fn.__doc__.splitlines()[0]}" for name, fn in COMMANDS.items()))
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return EXIT_OK if not argv or argv[0] in ("-h", "--help") else EXIT_USAGE
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
         COMMANDS[argv[0]](argv[1:])
-    except (ValueError, OSError, KeyError) as e:  # ConfigError / CheckpointError / RecipeError are ValueErrors
-        if debug:
+    except Exception as e:
+        code = exit_code(e)
+        if debug or code is None:
             raise
-        print(f"mindqwen {argv[0]}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        if not isinstance(e, MemoryError):  # its lines are the knobs to turn, one a line
+            text = " ".join(text.split())
+        print(f"mindqwen {argv[0]}: error: {text}", file=sys.stderr)
+        return code
+    return EXIT_OK
+
+
+def exit_code(error: Exception) -> Optional[int]:
+    """The exit code of a known error, None for an unexpected one (it keeps its traceback)."""
+    if isinstance(error, (ValueError, OSError, KeyError, MemoryError)):  # RecipeError, ConfigError,
+        return EXIT_ERROR                                                 # CheckpointError are ValueErrors
+    loop = sys.modules.get("mindqwen.train.loop")  # loaded if training ran
+    if loop is not None and isinstance(error, loop.TrainingDiverged):
+        return EXIT_DIVERGED
+    return None
 
 
 if __name__ == "__main__":

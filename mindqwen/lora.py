@@ -37,6 +37,14 @@ _UNSUPPORTED_PEFT = ("rank_pattern", "alpha_pattern", "layers_pattern", "target_
                      "trainable_token_indices", "layer_replication", "exclude_modules")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass
 class LoraConfig:
     """Which layers get LoRA and how (field names and meanings follow PEFT's ``LoraConfig``).
@@ -68,10 +76,17 @@ class LoraConfig:
     init: str = "default"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or self.r <= 0:
+        if not _is_int(self.r) or self.r <= 0:
             raise ValueError(f"LoraConfig.r must be a positive integer, got {self.r!r}")
+        for name in ("lora_alpha", "lora_dropout"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise ValueError(f"LoraConfig.{name} must be a finite number, got {value!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        for name in ("use_rslora", "use_dora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LoraConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if self.bias not in BIAS_MODES:
             raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
         if self.init not in INIT_MODES:
@@ -82,12 +97,24 @@ class LoraConfig:
             except re.error as e:
                 raise ValueError(f"LoraConfig.target_modules: invalid regex "
                                  f"{self.target_modules!r} ({e})") from None
+        elif not isinstance(self.target_modules, (list, tuple)) or not all(
+                isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError(f"LoraConfig.target_modules must be a regex or a list of module names, "
+                             f"got {self.target_modules!r}")
         elif not self.target_modules:
             raise ValueError("LoraConfig.target_modules is empty")
         else:
             self.target_modules = list(self.target_modules)
-        if isinstance(self.layers_to_transform, int):
+        if _is_int(self.layers_to_transform):
             self.layers_to_transform = [self.layers_to_transform]
+        if self.layers_to_transform is not None and not (
+                isinstance(self.layers_to_transform, (list, tuple))
+                and all(_is_int(i) and i >= 0 for i in self.layers_to_transform)):
+            raise ValueError(f"LoraConfig.layers_to_transform must be layer indices (integers >= 0), "
+                             f"got {self.layers_to_transform!r}")
+        if self.modules_to_save is not None and not (
+                isinstance(self.modules_to_save, (list, tuple)) and all(isinstance(m, str) for m in self.modules_to_save)):
+            raise ValueError(f"LoraConfig.modules_to_save must be a list of module names, got {self.modules_to_save!r}")
 
     @property
     def scaling(self) -> float:
@@ -121,6 +148,8 @@ class LoraConfig:
     @classmethod
     def from_peft(cls, cfg: dict, source: str = "<dict>") -> "LoraConfig":
         """Read a PEFT ``adapter_config.json`` dict; unsupported features raise naming the key."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: an adapter config is a JSON object, got {type(cfg).__name__}")
         if cfg.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{source}: peft_type {cfg.get('peft_type')!r} is not LoRA")
         for key in _UNSUPPORTED_PEFT:
@@ -129,10 +158,9 @@ class LoraConfig:
         for key in ("fan_in_fan_out", "lora_bias", "use_qalora"):
             if cfg.get(key):
                 raise ValueError(f"{source}: {key}=true is not supported by mindqwen")
-        init = cfg.get("init_lora_weights", True)
-        init = "default" if init is True else init
-        if init not in INIT_MODES:  # weights are loaded anyway: the init mode only records history
-            init = "default"
+        # The file's weights replace any initialisation, and PiSSA's would also rewrite the base
+        # weights (an adapter that needs the residual base cannot be applied to this one anyway).
+        init = "gaussian" if cfg.get("init_lora_weights") == "gaussian" else "default"
         targets = cfg.get("target_modules")
         if targets is None:
             raise ValueError(f"{source}: target_modules is missing")
@@ -422,18 +450,25 @@ def save_adapter(model: nn.Cell, folder: str) -> None:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def load_adapter(model: nn.Cell, folder: str) -> nn.Cell:
+def load_adapter(model: nn.Cell, folder: str, allow_non_finite: bool = False) -> nn.Cell:
     """Apply LoRA as ``folder/adapter_config.json`` says, then load its weights (PEFT format).
 
-    The user's files are only read. Raises naming the file and key on any mismatch.
+    The user's files are only read. Raises naming the file and key on any mismatch, and on a
+    tensor holding NaN or inf unless ``allow_non_finite`` (the tensors are read and checked
+    before the model is touched).
     """
     cfg_path, w_path = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
     config = LoraConfig.from_peft(read_json(cfg_path, CheckpointError, "adapter config"), cfg_path)
-    weights = SafetensorsFile(w_path)
+    weights = SafetensorsFile(w_path, allow_non_finite)
     foreign = [k for k in weights.keys() if not k.startswith(PEFT_PREFIX)]
     if foreign:
         raise CheckpointError(f"{w_path}: tensor {foreign[0]} does not start with {PEFT_PREFIX!r} "
                               "(not a PEFT adapter)")
+    ranks = {weights.shape(k)[0] for k in weights.keys() if k.endswith(".lora_A.weight")}
+    if ranks - {config.r}:
+        raise CheckpointError(f"{w_path}: lora_A tensors have rank {sorted(ranks - {config.r})[0]}, "
+                              f"{cfg_path} says r={config.r}")
+    arrays = {key: weights.get(key) for key in sorted(weights.keys())}
     apply_lora(model, config)
     params = {p.name: p for p in model.get_parameters()}
     wanted = {_peft_key(name) for name in params
@@ -441,7 +476,7 @@ def load_adapter(model: nn.Cell, folder: str) -> nn.Cell:
     missing = sorted(wanted - set(weights.keys()))
     if missing:
         raise CheckpointError(f"{w_path}: missing adapter tensors {', '.join(missing[:6])}")
-    for key in sorted(weights.keys()):
+    for key, array in arrays.items():
         name = key[len(PEFT_PREFIX):].replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight", ".lora_b")
         if name not in params:
             raise CheckpointError(f"{w_path}: tensor {key} targets {name}, which the model does not have")
@@ -449,7 +484,7 @@ def load_adapter(model: nn.Cell, folder: str) -> nn.Cell:
         if tuple(weights.shape(key)) != tuple(p.shape):
             raise CheckpointError(f"{w_path}: tensor {key} has shape {list(weights.shape(key))}, "
                                   f"the model expects {list(p.shape)}")
-        p.set_data(Tensor(weights.get(key)).astype(p.dtype))
+        p.set_data(Tensor(array).astype(p.dtype))
     invalidate_compiled_graphs(model)
     return model
 

@@ -71,7 +71,7 @@ def test_sft_rows_hold_whole_conversations_with_assistant_labels(hf_folder, tmp_
 def test_bad_lines_are_named_or_skipped_and_nothing_is_left(hf_folder, tmp_path):  # noqa: F811
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "also fine"}\n{not json\n{"txt": "wrong key"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:3: JSONDecodeError"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: not valid JSON"):
         preprocess([str(path)], str(tmp_path / "out"), str(hf_folder[0]), 16, "text", progress=False)
     assert not (tmp_path / "out").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".preprocess")]
     s = preprocess([str(path)], str(tmp_path / "out"), str(hf_folder[0]), 16, "text", skip_bad=True, progress=False)
@@ -109,5 +109,5 @@ def test_json_array_input_equals_jsonl(hf_folder, tmp_path):  # noqa: F811
     preprocess([jsonl], str(tmp_path / "l"), str(hf_folder[0]), 32, "text", progress=False)
     assert (tmp_path / "j" / "input_ids.npy").read_bytes() == (tmp_path / "l" / "input_ids.npy").read_bytes()
     (tmp_path / "bad.json").write_text(json.dumps([{"text": "ok"}, {"txt": "no"}]))
-    with pytest.raises(ValueError, match=r"bad\.json\[1\]: KeyError"):
+    with pytest.raises(ValueError, match=r"bad\.json\[1\]: missing \"text\""):
         preprocess([str(tmp_path / "bad.json")], str(tmp_path / "b"), str(hf_folder[0]), 32, "text", progress=False)

@@ -40,9 +40,14 @@ class _Text:
 
 
 def _check(messages: Sequence[Message]) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {messages!r:.80}")
     for i, m in enumerate(messages):
-        if m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i}: expected role system|user|assistant and string content, got {m!r}")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(
+                m.get("content"), str):
+            raise ValueError(f"message {i}: expected role system|user|assistant and string content, got {m!r:.80}")
+        if "reasoning_content" in m and not isinstance(m["reasoning_content"], (str, type(None))):
+            raise ValueError(f"message {i}: reasoning_content must be a string")
 
 
 def render_qwen25(messages: Sequence[Message], add_generation_prompt: bool = False) -> Tuple[str, List[Span]]:
@@ -114,12 +119,11 @@ def encode_chat(messages: Sequence[Message], tokenizer, template: str = "qwen2.5
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
     text, spans = render(messages, template)
-    ids = tokenizer.encode(text)
+    ids, starts = tokenizer.encode_with_offsets(text)  # starts: character offset of each token
     if train_on == "all":
         return np.asarray(ids, np.int32), np.asarray(ids, np.int32)
     if train_on == "last":
         spans = spans[-1:]
-    _, starts = tokenizer.encoding.decode_with_offsets(ids)  # character offset where each token starts
     inside = np.zeros(len(ids), bool)
     for lo, hi in spans:
         inside |= (np.asarray(starts) >= lo) & (np.asarray(starts) < hi)

@@ -11,6 +11,7 @@ from typing import Iterable, List, Sequence, Tuple
 import numpy as np
 
 from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.io.textfile import read_lines
 
 Pair = Tuple[str, str]  # (prompt, response)
 
@@ -53,15 +54,18 @@ def read_pairs(path: str) -> List[Pair]:
         ValueError: naming the file and line of the first malformed record.
     """
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                pairs.append((record["prompt"], record["response"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: expected {{\"prompt\": ..., \"response\": ...}} ({e})") from None
+    for n, line, _ in read_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
+                and isinstance(record.get("response"), str)):
+            raise ValueError(f"{path}:{n}: expected {{\"prompt\": <string>, \"response\": <string>}}, "
+                             f"got {line.strip()[:80]}")
+        pairs.append((record["prompt"], record["response"]))
     if not pairs:
         raise ValueError(f"{path}: no examples")
     return pairs

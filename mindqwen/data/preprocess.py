@@ -24,12 +24,13 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 from tqdm import tqdm
 
 from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.io.textfile import iter_lines
 
 KINDS = ("text", "sft")
 CHUNK = 256  # lines per worker task
@@ -72,41 +73,59 @@ def _init_worker(tokenizer_path: str, kind: str, template: str, train_on: str) -
     _STATE.update(tokenizer=load_tokenizer(tokenizer_path), kind=kind, template=template, train_on=train_on)
 
 
-def _encode_record(record) -> Tuple[List[int], List[int]]:
+def _encode_record(record: dict) -> Tuple[List[int], List[int]]:
+    """(ids, labels) of one record; ``ValueError`` saying what the record lacks."""
     tok = _STATE["tokenizer"]
     if _STATE["kind"] == "text":
-        if not isinstance(record.get("text"), str):
-            raise KeyError("text")
+        _need_strings(record, "text")
         ids = tok.encode(record["text"]) + [tok.eos_token_id]
         return ids, ids
-    if "prompt" in record and "response" in record:
-        if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
-            raise TypeError("prompt and response must be strings")
+    if "prompt" in record or "response" in record:
+        _need_strings(record, "prompt", "response")
         prompt, response = tok.encode(record["prompt"]), tok.encode(record["response"]) + [tok.eos_token_id]
         return prompt + response, [IGNORE_INDEX] * len(prompt) + response
     from mindqwen.data.chat import encode_chat
     messages = record.get("messages")
     if messages is None:
-        if not isinstance(record.get("instruction"), str) or not isinstance(record.get("output"), str):
-            raise KeyError("messages, or instruction and output")
+        if "instruction" not in record and "output" not in record:
+            raise ValueError('expected {"messages": [...]}, {"instruction", "input", "output"} or '
+                             '{"prompt", "response"}')
+        _need_strings(record, "instruction", "output")
+        if not isinstance(record.get("input", ""), (str, type(None))):
+            raise ValueError(f'"input" must be a string, got {type(record["input"]).__name__}')
         prompt = record["instruction"] + ("\n\n" + record["input"] if record.get("input") else "")
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
     ids, labels = encode_chat(messages, tok, _STATE["template"], _STATE["train_on"])
     return ids.tolist(), labels.tolist()
 
 
-def _encode_chunk(chunk: Sequence[Tuple[int, str]]):
-    """[(line number, text)] → [(line number, ids, labels) or (line number, error)]."""
+def _need_strings(record: dict, *keys: str) -> None:
+    for key in keys:
+        if key not in record:
+            raise ValueError(f'missing "{key}"')
+        if not isinstance(record[key], str):
+            raise ValueError(f'"{key}" must be a string, got {type(record[key]).__name__}')
+
+
+def _encode_chunk(chunk: Sequence[Tuple[str, str, str]]):
+    """[(where, text, read error)] → [(where, ids, labels) or (where, error)]."""
     out = []
-    for n, line in chunk:
+    for where, line, error in chunk:
         try:
-            record = json.loads(line)
+            if error:
+                raise ValueError(error)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e})") from None
+            except RecursionError:
+                raise ValueError("not valid JSON (nested too deeply)") from None
             if not isinstance(record, dict):
-                raise TypeError("not an object")
+                raise ValueError(f"a record is a JSON object, got {type(record).__name__}")
             ids, labels = _encode_record(record)  # int32 arrays: cheap to send back from a worker
-            out.append((n, np.asarray(ids, np.int32), np.asarray(labels, np.int32)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            out.append((n, f"{type(e).__name__}: {e}"))
+            out.append((where, np.asarray(ids, np.int32), np.asarray(labels, np.int32)))
+        except (TypeError, ValueError) as e:  # UnicodeError (lone surrogates) is a ValueError
+            out.append((where, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"))
     return out
 
 
@@ -192,24 +211,30 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: str, seq_length: i
     return summary
 
 
-def _read_lines(inputs: Sequence[str]) -> List[Tuple[str, str]]:
-    """[(where, JSON text)] of every record: a JSON-lines file's non-empty lines ("file:line"),
-    or the elements of a ``.json`` file holding one array ("file[index]")."""
+def _read_lines(inputs: Sequence[str]) -> List[Tuple[str, Optional[str], Optional[str]]]:
+    """[(where, JSON text, read error)] of every record: a JSON-lines file's non-empty lines
+    ("file:line"; a line that is not UTF-8 carries its error, to skip or report), or the elements
+    of a ``.json`` file holding one array ("file[index]"). A UTF-8 byte-order mark is accepted."""
     lines = []
     for path in inputs:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: input file not found")
-        with open(path, encoding="utf-8") as f:
-            if not path.endswith(".json"):
-                lines += [(f"{path}:{n}", line) for n, line in enumerate(f, 1) if line.strip()]
-                continue
-            try:
+        if not path.endswith(".json"):
+            lines += [(f"{path}:{n}", text, error) for n, text, error in iter_lines(path)
+                      if error or text.strip()]
+            continue
+        try:
+            with open(path, encoding="utf-8-sig") as f:
                 records = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte offset {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply") from None
         if not isinstance(records, list):
             raise ValueError(f"{path}: a .json input holds one array of records")
-        lines += [(f"{path}[{i}]", json.dumps(r, ensure_ascii=False)) for i, r in enumerate(records)]
+        lines += [(f"{path}[{i}]", json.dumps(r, ensure_ascii=False), None) for i, r in enumerate(records)]
     return lines
 
 

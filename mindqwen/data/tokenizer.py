@@ -15,7 +15,9 @@ import os
 import shutil
 import tempfile
 import unicodedata
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from mindqwen.io.jsonfile import read_json
 
@@ -124,6 +126,11 @@ class QwenTokenizer:
         except ValueError as e:  # tiktoken: "Encountered text corresponding to disallowed special token ..."
             raise ValueError(str(e).splitlines()[0]) from None
 
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], List[int]]:
+        """(ids, the character offset in ``text`` where each token starts)."""
+        ids = self.encode(text)
+        return ids, list(self.encoding.decode_with_offsets(ids)[1])
+
     def encode_batch(self, texts: Sequence[str], allowed_special: Union[str, Sequence[str]] = "all",
                      disallowed_special: Union[str, Sequence[str]] = (), num_threads: int = 8) -> List[List[int]]:
         """``encode`` of every text, on ``num_threads`` threads (tiktoken releases the GIL)."""
@@ -200,7 +207,10 @@ class SentencePieceTokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: tokenizer model not found")
         self.path = path
-        self.sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{path}: not a SentencePiece model ({str(e).splitlines()[0]})") from None
         self.vocab_size = self.sp.get_piece_size()
         self.eos_token_id = self.sp.eos_id()
         self.pad_token_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_token_id
@@ -209,6 +219,13 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> List[int]:
         return self.sp.encode(text)
+
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], List[int]]:
+        """(ids, the character offset in ``text`` where each token starts)."""
+        pieces = self.sp.encode(text, out_type="proto").pieces  # begin: a UTF-8 byte offset
+        char_starts = np.cumsum([0] + [len(c.encode("utf-8")) for c in text])  # byte offset of each char
+        starts = np.searchsorted(char_starts, [p.begin for p in pieces], side="right") - 1
+        return [p.id for p in pieces], starts.tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])

@@ -19,7 +19,7 @@ import numpy as np
 
 from mindqwen.config import QwenConfig
 from mindqwen.io.hf import DTYPES, no_init_parameters, open_checkpoint, sanitize, save_tensors
-from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
+from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, check_finite, save_file
 from mindqwen.models.hf_keys import MAPS, from_format, part_rows, to_format
 
 FORMATS = ("hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore")
@@ -27,12 +27,13 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
                  "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
-def read_state(path: str) -> Dict[str, LazyTensor]:
-    """Tensors of an HF folder, a safetensors file or a ``.ckpt``, as lazy fp32/fp16 tensors."""
+def read_state(path: str, allow_non_finite: bool = False) -> Dict[str, LazyTensor]:
+    """Tensors of an HF folder, a safetensors file or a ``.ckpt``, as lazy fp32/fp16 tensors;
+    loading one holding NaN or inf raises ``CheckpointError`` naming it, unless ``allow_non_finite``."""
     if os.path.isdir(path):
-        return {k: _from_safetensors(f, k) for k, f in open_checkpoint(path).items()}
+        return {k: _from_safetensors(f, k) for k, f in open_checkpoint(path, allow_non_finite).items()}
     if path.endswith(".safetensors"):
-        f = SafetensorsFile(path)
+        f = SafetensorsFile(path, allow_non_finite)
         return {k: _from_safetensors(f, k) for k in f.keys()}
     if path.endswith(".ckpt"):
         import mindspore as ms
@@ -43,6 +44,9 @@ def read_state(path: str) -> Dict[str, LazyTensor]:
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({str(e).splitlines()[0]})") from None
         arrays = {k: (p.astype(ms.float32) if p.dtype == ms.bfloat16 else p).asnumpy() for k, p in params.items()}
+        if not allow_non_finite:
+            for k, a in arrays.items():
+                check_finite(a, path, k)
         return {k: LazyTensor(a.shape, a.dtype, partial(lambda x: x, a)) for k, a in arrays.items()}
     raise CheckpointError(f"{path}: expected an HF folder, a .safetensors file or a .ckpt")
 
@@ -54,7 +58,7 @@ def _from_safetensors(f: SafetensorsFile, key: str) -> LazyTensor:
 
 def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Optional[str] = None,
             dtype: Optional[str] = None, qkv: Optional[str] = None, mlp: Optional[str] = None,
-            max_shard_size: str = "5GB") -> None:
+            max_shard_size: str = "5GB", allow_non_finite: bool = False) -> None:
     """Convert ``source`` (``src_fmt``) into ``target`` (``dst_fmt``).
 
     Args:
@@ -63,6 +67,7 @@ def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Option
         dtype: stored dtype: fp32 | fp16 | bf16 (default: as read).
         qkv, mlp: fused layout of q/k/v and gate/up in a mindformers format, on either side:
             contiguous | interleaved | None (not fused).
+        allow_non_finite: convert tensors holding NaN or inf (else ``CheckpointError`` naming them).
     """
     for name, fmt in (("--from", src_fmt), ("--to", dst_fmt)):
         if fmt not in FORMATS:
@@ -71,7 +76,7 @@ def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Option
         raise ValueError(f"--dtype must be fp32, fp16 or bf16, got {dtype!r}")
     cfg = _config(source if config is None else config)
     rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-    state = read_state(source)
+    state = read_state(source, allow_non_finite)
     if src_fmt in MAPS:
         state = from_format(state, src_fmt, cfg.num_key_value_heads, rows, qkv, mlp)
     state = {k: state[k] for k in sanitize(list(state), cfg)}
@@ -134,14 +139,14 @@ def write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
 
 
 def load_model(source: str, fmt: str = "hf", config: Optional[str] = None, qkv: Optional[str] = None,
-               mlp: Optional[str] = None):
+               mlp: Optional[str] = None, allow_non_finite: bool = False):
     """A ``QwenForCausalLM`` from a checkpoint in any supported format (checked like ``convert``)."""
     import mindspore as ms
     from mindqwen.models.qwen import QwenForCausalLM
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     cfg = _config(source if config is None else config)
-    state = read_state(source)
+    state = read_state(source, allow_non_finite)
     if fmt in MAPS:
         rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         state = from_format(state, fmt, cfg.num_key_value_heads, rows, qkv, mlp)

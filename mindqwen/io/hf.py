@@ -34,8 +34,9 @@ except ImportError:  # pragma: no cover - removed in a later MindSpore
     no_init_parameters = nullcontext
 
 
-def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
-    """Map every tensor key of an HF folder to its opened (lazily read) safetensors file."""
+def open_checkpoint(folder: str, allow_non_finite: bool = False) -> Dict[str, SafetensorsFile]:
+    """Map every tensor key of an HF folder to its opened (lazily read) safetensors file
+    (whose ``get`` refuses NaN or inf unless ``allow_non_finite``)."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     index_path, single_path = os.path.join(folder, INDEX_FILE), os.path.join(folder, SINGLE_FILE)
@@ -44,14 +45,15 @@ def open_checkpoint(folder: str) -> Dict[str, SafetensorsFile]:
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index_path}: not a safetensors index (no weight_map)")
-        files = {name: SafetensorsFile(os.path.join(folder, name)) for name in sorted(set(weight_map.values()))}
+        files = {name: SafetensorsFile(os.path.join(folder, name), allow_non_finite)
+                 for name in sorted(set(weight_map.values()))}
         for key, name in weight_map.items():
             if key not in files[name]:
                 raise CheckpointError(f"{os.path.join(folder, name)}: tensor {key} listed in "
                                       f"{INDEX_FILE} is not in the file")
         return {key: files[name] for key, name in weight_map.items()}
     if os.path.isfile(single_path):
-        f = SafetensorsFile(single_path)
+        f = SafetensorsFile(single_path, allow_non_finite)
         return {key: f for key in f.keys()}
     others = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".ckpt"))]
     hint = f" (found {', '.join(sorted(others))}: convert it to safetensors first)" if others else ""
@@ -68,13 +70,15 @@ def sanitize(keys: List[str], config: QwenConfig) -> Dict[str, str]:
             if not _STALE.match(k) and not (config.tie_word_embeddings and k == "lm_head.weight")}
 
 
-def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True) -> Tuple[List[str], List[str]]:
+def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
+                 allow_non_finite: bool = False) -> Tuple[List[str], List[str]]:
     """Load an HF folder's tensors into ``model`` by name, checking keys and shapes.
 
     Args:
         model: a ``QwenForCausalLM`` (or a Cell whose parameter names are HF names).
         folder: HF checkpoint folder.
         strict: raise on missing or unexpected keys (else return them).
+        allow_non_finite: load tensors holding NaN or inf (else ``CheckpointError`` naming them).
 
     Returns:
         (missing, unexpected) key lists (empty when ``strict``).
@@ -82,7 +86,7 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True) -> Tuple[L
     Raises:
         CheckpointError: naming the file and the key(s).
     """
-    files = open_checkpoint(folder)
+    files = open_checkpoint(folder, allow_non_finite)
     config: QwenConfig = model.config
     names = sanitize(list(files), config)
     params = {p.name: p for p in model.get_parameters()}
@@ -106,13 +110,14 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True) -> Tuple[L
     return missing, unexpected
 
 
-def from_pretrained(folder: str, dtype: str = "float32") -> QwenForCausalLM:
+def from_pretrained(folder: str, dtype: str = "float32", allow_non_finite: bool = False) -> QwenForCausalLM:
     """Build a ``QwenForCausalLM`` from an HF folder (config.json + safetensors).
 
     Args:
         folder: HF checkpoint folder (single file or sharded with an index).
         dtype: parameter dtype: "float32", "float16" or "bfloat16" (not on CPU, which has no
             bf16 kernels). bf16 files widen to fp32 exactly.
+        allow_non_finite: load tensors holding NaN or inf (else ``CheckpointError`` naming them).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -124,7 +129,7 @@ def from_pretrained(folder: str, dtype: str = "float32") -> QwenForCausalLM:
     config = QwenConfig.from_hf(folder)
     with no_init_parameters():
         model = QwenForCausalLM(config, dtype=DTYPES[dtype][0])
-    load_weights(model, folder)
+    load_weights(model, folder, allow_non_finite=allow_non_finite)
     return model
 
 

@@ -16,11 +16,13 @@ def read_json(path: str, error: Type[Exception], what: str) -> Any:
 
 
 def write_json(path: str, data: Any) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: never half a file."""
+    """Write ``data`` to ``path`` through a temporary file, fsync and a rename: never half a file."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, ensure_ascii=False, default=str)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -7,6 +7,7 @@ bf16 by round-to-nearest-even. Written files appear under their final name only 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Tuple, Union
@@ -44,15 +45,38 @@ def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
+def is_finite(arr: np.ndarray) -> bool:
+    """No NaN or inf in ``arr`` (integers always pass). One float64 sum, no boolean copy:
+    NaN and inf survive a sum, and finite fp32 values cannot overflow one (|x| < 3.4e38)."""
+    if not np.issubdtype(arr.dtype, np.floating) or arr.size == 0:
+        return True
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN, which is the answer
+        return math.isfinite(arr.sum(dtype=np.float64))
+
+
+def check_finite(arr: np.ndarray, where: str, name: str) -> np.ndarray:
+    """``arr``, or ``CheckpointError`` naming ``where`` and tensor ``name`` if it holds NaN or inf."""
+    if not is_finite(arr):
+        bad = int(np.size(arr) - np.count_nonzero(np.isfinite(arr)))
+        raise CheckpointError(f"{where}: tensor {name} has {bad:,} non-finite values (NaN or inf); "
+                              "allow_non_finite=True (--allow-non-finite) loads it anyway")
+    return arr
+
+
 class SafetensorsFile:
     """Header of one safetensors file, with tensors read on demand from a memory map.
+
+    Args:
+        path: the file.
+        allow_non_finite: ``get`` returns tensors holding NaN or inf instead of raising.
 
     Raises:
         CheckpointError: naming the file, if it is missing, truncated or its header is corrupt.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, allow_non_finite: bool = False):
         self.path = str(path)
+        self.allow_non_finite = allow_non_finite
         if not os.path.isfile(self.path):
             raise CheckpointError(f"{self.path}: file not found")
         size = os.path.getsize(self.path)
@@ -112,11 +136,16 @@ class SafetensorsFile:
         return arr.reshape(shape)
 
     def get(self, key: str, dtype=np.float32) -> np.ndarray:
-        """Tensor ``key`` as a new array of ``dtype`` (floats; bf16 widened exactly)."""
+        """Tensor ``key`` as a new array of ``dtype`` (floats; bf16 widened exactly).
+
+        Raises:
+            CheckpointError: if it holds NaN or inf (unless ``allow_non_finite``).
+        """
         arr = self.raw(key)
         if self.dtype(key) == "BF16":
             arr = bf16_bits_to_fp32(arr)
-        return arr.astype(dtype, copy=False)
+        arr = arr.astype(dtype, copy=False)
+        return arr if self.allow_non_finite else check_finite(arr, self.path, key)
 
 
 class LazyTensor(NamedTuple):

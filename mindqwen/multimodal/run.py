@@ -37,6 +37,7 @@ from mindqwen.multimodal.fusion import (ATTENTION, GroupPolicy, MultimodalLoraCo
                                         apply_multimodal_lora, trainable_by_group)
 from mindqwen.multimodal.synthetic import COLOURS, PLACES, SHAPES, caption_attributes, make_captioned_images
 from mindqwen.multimodal.vision import VisionConfig, VisionEncoder
+from mindqwen.train.loop import TrainingDiverged, divergence
 from mindqwen.train.optim import WarmupSchedule, make_optimizer
 from mindqwen.train.precision import PrecisionConfig, make_loss_scaler
 from mindqwen.train.step import Stepper
@@ -185,7 +186,10 @@ def _train(stepper: Stepper, batches, steps: int, batch_size: int, seed: int, la
     rng, losses = np.random.default_rng(seed), []
     for step in range(steps):
         rows = rng.integers(0, len(batches[0]), batch_size)
-        loss, _, _ = stepper([tuple(Tensor(b[rows]) for b in batches)])
+        loss, finite, norm = stepper([tuple(Tensor(b[rows]) for b in batches)])
+        reason = divergence(loss, finite, norm, 1.0, 0, step + 1, step + 1 == steps, PrecisionConfig(), False)
+        if reason:  # fp32 only (multimodal recipes refuse precision settings): a NaN is final
+            raise TrainingDiverged(f"{label} step {step + 1}: {reason}")
         losses.append(loss)
         if (step + 1) % 100 == 0 or step + 1 == steps:
             print(f"{label} step {step + 1}/{steps}: loss {np.mean(losses[-100:]):.4f}", flush=True)

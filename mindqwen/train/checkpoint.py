@@ -9,7 +9,9 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_00000123/`` holding
 - ``recipe.yaml``: the recipe that produced it, when there is one.
 
 It is written under a temporary name, every file fsynced, then renamed in one step: a process
-killed mid-write leaves only a ``.tmp`` folder, which is never taken for a checkpoint.
+killed mid-write leaves only a ``.tmp`` folder, which is never taken for a checkpoint. Parameters
+holding NaN or inf are never written (``NonFiniteParameters``), and a checkpoint damaged after the
+fact (truncated, corrupt, non-finite) is skipped by ``resume: auto`` for the one before it.
 """
 from __future__ import annotations
 
@@ -17,18 +19,23 @@ import json
 import os
 import re
 import shutil
-from typing import Dict, List, Optional
+import sys
+from typing import Dict, List, Optional, Tuple
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn
 
 from mindqwen.io.jsonfile import read_json
-from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, check_finite, is_finite, save_file
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
 STATE_FILE, MODEL_FILE, OPTIM_FILE, RECIPE_FILE = (
     "trainer_state.json", "model.safetensors", "optimizer.safetensors", "recipe.yaml")
+
+
+class NonFiniteParameters(CheckpointError):
+    """The parameters to save hold NaN or inf: the run has diverged."""
 
 
 def _arrays(params) -> Dict[str, np.ndarray]:
@@ -49,7 +56,15 @@ def _scaler_key(p: ms.Parameter, scaler: ms.amp.DynamicLossScaler) -> str:
 def save(output_dir: str, step: int, model: nn.Cell, optimizer: nn.Optimizer,
          scaler: ms.amp.DynamicLossScaler, state: dict, recipe_text: Optional[str] = None,
          keep_last: int = 3) -> str:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep_last``; returns its path."""
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep_last``; returns its path.
+
+    Raises:
+        NonFiniteParameters: naming the first parameter holding NaN or inf (nothing is written).
+    """
+    params = _arrays(model.trainable_params())
+    bad = next((name for name, a in params.items() if not is_finite(a)), None)
+    if bad is not None:
+        raise NonFiniteParameters(f"step {step}: parameter {bad} holds NaN or inf; checkpoint not written")
     root = os.path.join(output_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step_{step:08d}")
@@ -58,7 +73,7 @@ def save(output_dir: str, step: int, model: nn.Cell, optimizer: nn.Optimizer,
             shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
     tmp = os.path.join(root, f".step_{step:08d}.tmp-{os.getpid()}")
     os.makedirs(tmp)
-    save_file(_arrays(model.trainable_params()), os.path.join(tmp, MODEL_FILE))
+    save_file(params, os.path.join(tmp, MODEL_FILE))
     save_file({_scaler_key(p, scaler): p.asnumpy() for p in optimizer_state(optimizer, scaler)},
               os.path.join(tmp, OPTIM_FILE))
     _write_synced(os.path.join(tmp, STATE_FILE), json.dumps({**state, "step": step}, indent=2))
@@ -94,16 +109,53 @@ def resolve(resume: Optional[str], output_dir: str) -> Optional[str]:
     return resume
 
 
+def resume(resume: Optional[str], output_dir: str, model: nn.Cell, optimizer: nn.Optimizer,
+           scaler: ms.amp.DynamicLossScaler) -> Tuple[Optional[str], dict]:
+    """Load the checkpoint ``resume`` names; returns (its path, trainer state), (None, {}) if none.
+
+    With ``"auto"``, a checkpoint that does not load (truncated, corrupt, NaN or inf) is skipped
+    for the one before it, saying which and why on stderr; if none loads, ``CheckpointError``
+    lists them all. A checkpoint named by path must load.
+    """
+    if resume is None:
+        return None, {}
+    candidates = complete_checkpoints(output_dir)[::-1] if resume == "auto" else [resolve(resume, output_dir)]
+    problems = []
+    for path in candidates:
+        try:
+            return path, load(path, model, optimizer, scaler)
+        except CheckpointError as e:
+            if resume != "auto":
+                raise
+            problems.append(str(e))
+            print(f"resume: skipping {os.path.basename(path)}: {e}", file=sys.stderr)
+    if problems:
+        raise CheckpointError(f"{output_dir}: no checkpoint loads ({'; '.join(problems)})")
+    return None, {}
+
+
 def load(path: str, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.DynamicLossScaler) -> dict:
-    """Restore parameters, optimizer and scaler state in place; returns the trainer state."""
+    """Restore parameters, optimizer and scaler state in place; returns the trainer state.
+
+    Every file is checked (present, complete, shapes, finite) before anything is set: a
+    checkpoint that fails leaves the model and optimizer as they were. Two passes over the
+    tensors, one in memory at a time (a full fine-tune's optimizer state is twice the model).
+    """
     state = read_json(os.path.join(path, STATE_FILE), CheckpointError, "trainer state")
-    _restore(SafetensorsFile(os.path.join(path, MODEL_FILE)), {p.name: p for p in model.trainable_params()})
-    _restore(SafetensorsFile(os.path.join(path, OPTIM_FILE)),
-             {_scaler_key(p, scaler): p for p in optimizer_state(optimizer, scaler)})
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{os.path.join(path, STATE_FILE)}: no step number (not a trainer state)")
+    parts = [(SafetensorsFile(os.path.join(path, MODEL_FILE)), {p.name: p for p in model.trainable_params()}),
+             (SafetensorsFile(os.path.join(path, OPTIM_FILE)),
+              {_scaler_key(p, scaler): p for p in optimizer_state(optimizer, scaler)})]
+    for f, params in parts:
+        _check(f, params)
+    for f, params in parts:
+        for name, p in params.items():
+            p.set_data(ms.Tensor(f.raw(name).copy()).astype(p.dtype))
     return state
 
 
-def _restore(f: SafetensorsFile, params: Dict[str, ms.Parameter]) -> None:
+def _check(f: SafetensorsFile, params: Dict[str, ms.Parameter]) -> None:
     missing = sorted(set(params) - set(f.keys()))
     if missing:
         raise CheckpointError(f"{f.path}: missing tensors {', '.join(missing[:6])} (a checkpoint of "
@@ -111,7 +163,8 @@ def _restore(f: SafetensorsFile, params: Dict[str, ms.Parameter]) -> None:
     for name, p in params.items():
         if tuple(f.shape(name)) != tuple(p.shape):
             raise CheckpointError(f"{f.path}: tensor {name} has shape {list(f.shape(name))}, expected {list(p.shape)}")
-        p.set_data(ms.Tensor(f.raw(name).copy()).astype(p.dtype))
+    for name in params:
+        check_finite(f.raw(name), f.path, name)
 
 
 def _write_synced(path: str, text: str) -> None:

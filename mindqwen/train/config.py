@@ -84,3 +84,12 @@ class TrainerConfig:
             raise ValueError(f"trainer.mode must be graph or pynative, got {self.mode!r}")
         if self.lr <= 0 or self.clip_norm < 0 or self.weight_decay < 0:
             raise ValueError("trainer: lr must be > 0, clip_norm and weight_decay >= 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"trainer.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
+            raise ValueError("trainer: beta1 and beta2 must be in [0, 1), eps > 0")
+        for name in ("eval_every", "eval_batches", "save_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0 (0: off), got {getattr(self, name)}")
+        if not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"trainer.seed must be in [0, 2^32), got {self.seed}")

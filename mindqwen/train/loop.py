@@ -21,13 +21,13 @@ from mindqwen.train.distributed import ParallelConfig, init_parallel, setup_mode
 from mindqwen.train.metrics import (MetricsLog, measure_matmul_peak_gflops, peak_memory_mb,
                                     plot_loss_curve, train_flops_per_token)
 from mindqwen.train.optim import WarmupSchedule, make_optimizer
-from mindqwen.train.precision import apply_precision, make_loss_scaler
+from mindqwen.train.precision import PrecisionConfig, apply_precision, make_loss_scaler
 from mindqwen.train.recompute import apply_recompute
 from mindqwen.train.step import Stepper
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite without loss scaling to absorb it."""
+    """Training cannot go on: a NaN or inf the loss scaler cannot absorb (see ``divergence``)."""
 
 
 def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
@@ -60,10 +60,8 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     model.set_train(True)
 
     # 2. resume
-    state = {"overflow_count": 0, "seed": config.seed}
-    last_ckpt = checkpoint.resolve(config.resume, config.output_dir)
-    if last_ckpt:
-        state = checkpoint.load(last_ckpt, model, optimizer, scaler)
+    last_ckpt, state = checkpoint.resume(config.resume, config.output_dir, model, optimizer, scaler)
+    state = state or {"overflow_count": 0, "seed": config.seed}
     start = state.get("step", 0)
 
     # 3. steps
@@ -82,6 +80,7 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
         shapes = {"train": list(train_data.input_ids.shape[1:]), "world": world, "parallel": repr(parallel),
                   "eval": None if eval_data is None else list(eval_data.input_ids.shape[1:])}
         cache = os.path.join(config.compile_cache, graph_key(model, asdict(config), shapes))
+    streak = updated = 0  # overflowed steps in a row; steps of this run that updated the model
     with compile_cache(cache):
         record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
                                desc="training", unit="step", disable=not (config.progress and main))
@@ -89,6 +88,7 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
             ids, labels = loader.batch(step)
             batches = [(ms.Tensor(ids[i:i + mb]), ms.Tensor(labels[i:i + mb])) for i in range(0, len(ids), mb)]
             lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
+            scale = float(scaler.scale_value.asnumpy())
             t = time.perf_counter()
             try:
                 loss, finite, norm = stepper(batches)
@@ -96,15 +96,18 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
                 raise explain_out_of_memory(e, config) from e
             seconds = time.perf_counter() - t
             state["overflow_count"] += int(not finite)
-            if not dynamic and not math.isfinite(loss):
-                raise TrainingDiverged(f"step {step + 1}: loss is {loss} in {config.precision.level} without loss "
-                                       f"scaling; last good checkpoint: {last_ckpt or 'none (resume impossible)'}")
+            streak, updated = (0, updated + 1) if finite else (streak + 1, updated)
+            last = step + 1 == config.max_steps
             record = {"step": step + 1, "loss": loss, "lr": lr,
                       "grad_norm": norm, "loss_scale": float(scaler.scale_value.asnumpy()),
                       "overflow": not finite, "overflow_count": state["overflow_count"],
                       "tokens_per_s": tokens * world / seconds, "step_s": seconds,
                       "mfu": step_flops / seconds / peak_flops, "peak_memory_mb": peak_memory_mb()}
-            last = step + 1 == config.max_steps
+            reason = divergence(loss, finite, norm, scale, streak, updated, last, config.precision, dynamic)
+            if reason:
+                log.write(record)
+                raise TrainingDiverged(f"step {step + 1}: {reason}; last good checkpoint: "
+                                       f"{last_ckpt or 'none (nothing to resume from)'}")
             if eval_data is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
                 record["eval_loss"] = evaluate(model, eval_data, mb, config.eval_batches)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
@@ -112,8 +115,12 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             if main and (last or (config.save_every and (step + 1) % config.save_every == 0)):
                 state.update(step=step + 1, data_step=step + 1, metrics=record)
-                last_ckpt = checkpoint.save(config.output_dir, step + 1, model, optimizer, scaler, state,
-                                            recipe_text, config.keep_last)
+                try:
+                    last_ckpt = checkpoint.save(config.output_dir, step + 1, model, optimizer, scaler, state,
+                                                recipe_text, config.keep_last)
+                except checkpoint.NonFiniteParameters as e:
+                    raise TrainingDiverged(f"{e}; last good checkpoint: "
+                                           f"{last_ckpt or 'none (nothing to resume from)'}") from None
 
     # 4. finish: final weights in an interchange format, and the loss curve
     log.close()
@@ -128,6 +135,32 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
         outputs["loss_curve"] = plot_loss_curve(log.read(), os.path.join(config.output_dir, "loss_curve.png"))
     return {"steps": config.max_steps, "final_loss": record.get("loss"), "eval_loss": record.get("eval_loss"),
             "overflow_count": state["overflow_count"], "outputs": outputs, "metrics": log.path}
+
+
+def divergence(loss: float, finite: bool, norm: float, scale: float, streak: int, updated: int, last: bool,
+               precision: PrecisionConfig, dynamic: bool) -> Optional[str]:
+    """Why the run must stop after this step, or None. The policy (docs/training.md):
+
+    - without loss scaling (fp32, bf16), a NaN or inf loss or gradient: nothing can absorb it;
+    - with fp16 loss scaling, an overflow at scale 1 (the floor: the gradients themselves
+      overflow), or ``max_consecutive_overflows`` skipped steps in a row;
+    - at the last step, a NaN or inf loss, or a run none of whose steps updated the model:
+      ending there would report an untrained or non-finite result as a success.
+    """
+    if not dynamic and not (finite and math.isfinite(loss)):
+        dtype = "fp32" if precision.level == "O0" else precision.dtype
+        return (f"loss is {loss} (gradient norm {norm}) in {precision.level} ({dtype}), "
+                "without loss scaling to absorb a NaN or inf")
+    if not finite and scale <= 1.0:
+        return f"gradients overflow at loss scale {scale:g}, the scaler's floor (loss {loss})"
+    if streak >= precision.max_consecutive_overflows:
+        return (f"{streak} consecutive steps overflowed and were skipped (trainer.precision."
+                f"max_consecutive_overflows={precision.max_consecutive_overflows}); loss {loss}")
+    if last and not math.isfinite(loss):
+        return f"the last step's loss is {loss}"
+    if last and updated == 0:
+        return "no step of this run updated the model: every one overflowed and was skipped"
+    return None
 
 
 def evaluate(model: nn.Cell, data: TokenDataset, batch_size: int, max_batches: int = 0) -> float:

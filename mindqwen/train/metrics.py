@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import List, Optional
 
@@ -11,6 +12,7 @@ import numpy as np
 from mindspore import ops
 
 from mindqwen.config import QwenConfig
+from mindqwen.io.textfile import iter_lines
 
 
 def peak_memory_mb() -> float:
@@ -68,12 +70,12 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run rewrites the steps the killed run logged past its checkpoint."""
-        if not os.path.exists(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-        with open(self.path, "w", encoding="utf-8") as f:
-            f.writelines(kept if step > 0 else [])
+        kept = [json.dumps(r) + "\n" for r in self.read() if r.get("step", 0) <= step] if step > 0 else []
+        if kept or os.path.exists(self.path):
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -101,10 +103,25 @@ class MetricsLog:
         self.tensorboard = SummaryWriter(log_dir)
 
     def read(self) -> List[dict]:
+        """The records; a line that does not parse (the torn last line of a killed run) is
+        dropped with a warning naming it."""
         if not os.path.exists(self.path):
             return []
-        with open(self.path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        records = []
+        for n, line, error in iter_lines(self.path):
+            if error is None and not line.strip():
+                continue
+            record = None
+            try:
+                record = json.loads(line) if error is None else None
+            except json.JSONDecodeError as e:
+                error = str(e)
+            if not isinstance(record, dict):
+                print(f"{self.path}:{n}: dropping an unreadable metrics line ({error or 'not an object'})",
+                      file=sys.stderr)
+                continue
+            records.append(record)
+        return records
 
 
 def plot_loss_curve(records: List[dict], path: str) -> Optional[str]:

@@ -36,6 +36,9 @@ class PrecisionConfig:
         loss_scale: initial dynamic loss scale (fp16 only).
         scale_window: steps without overflow before the scale grows by ``scale_factor``.
         scale_factor: growth and back-off factor of the scale.
+        max_consecutive_overflows: this many overflowed (skipped) steps in a row stop the run
+            with ``TrainingDiverged``, as does an overflow at scale 1, the scaler's floor (from
+            the default 2^16 the floor comes first, after 16 halvings).
     """
 
     level: str = "O0"
@@ -43,6 +46,7 @@ class PrecisionConfig:
     loss_scale: float = 2.0 ** 16
     scale_window: int = 1000
     scale_factor: float = 2.0
+    max_consecutive_overflows: int = 20
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -51,6 +55,8 @@ class PrecisionConfig:
             raise ValueError(f"precision.dtype must be one of {', '.join(LOW_DTYPES)}, got {self.dtype!r}")
         if self.loss_scale <= 0 or self.scale_factor <= 1 or self.scale_window < 1:
             raise ValueError("precision: loss_scale must be > 0, scale_factor > 1, scale_window >= 1")
+        if self.max_consecutive_overflows < 1:
+            raise ValueError("precision: max_consecutive_overflows must be >= 1")
 
     @property
     def uses_loss_scaling(self) -> bool:

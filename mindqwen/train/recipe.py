@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import typing
@@ -17,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import yaml
 
+from mindqwen.config import QwenConfig
 from mindqwen.lora import LoraConfig
 from mindqwen.multimodal.fusion import GroupPolicy, MultimodalLoraConfig
 from mindqwen.multimodal.vision import VisionConfig
@@ -24,6 +26,9 @@ from mindqwen.train.config import TrainerConfig
 from mindqwen.train.distributed import ParallelConfig
 from mindqwen.train.optim import SCHEDULES
 from mindqwen.train.precision import PrecisionConfig
+
+
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class RecipeError(ValueError):
@@ -42,8 +47,12 @@ class ModelSection:
 
     checkpoint: Optional[str] = None
     preset: Optional[str] = None
-    config: Dict[str, Any] = field(default_factory=dict)
+    config: Dict[str, Any] = field(default_factory=dict, metadata={"schema": QwenConfig})
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass
@@ -288,16 +297,24 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     """
     if not os.path.isfile(path):
         raise RecipeError(f"{path}: recipe file not found")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
     try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({e})") from None
-    lines = _key_lines(node) if node is not None else {}
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text (byte offset {e.start})") from None
+    loader = _LOADER(text)  # one parse: the node tree (for line numbers), then the data
+    try:
+        node = loader.get_single_node()
+        raw = (loader.construct_document(node) if node is not None else None) or {}
+    except (yaml.YAMLError, RecursionError) as e:
+        raise RecipeError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    finally:
+        loader.dispose()
+    lines = _key_lines(node, path) if node is not None else {}
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    if not raw and not overrides:
+        raise RecipeError(f"{path}: the recipe is empty (`mindqwen recipes cp` copies a bundled one to start from)")
     for item in overrides:
         lines.pop(_apply_override(raw, item, path), None)  # errors there point at the override
     return _build(Recipe, raw, path, "", lines)
@@ -323,14 +340,21 @@ def _apply_override(raw: dict, item: str, path: str) -> str:
     return key
 
 
-def _key_lines(node, prefix: str = "") -> Dict[str, int]:
-    """key path → 1-based line, from the YAML node tree."""
+def _key_lines(node, file: str, prefix: str = "") -> Dict[str, int]:
+    """key path → 1-based line, from the YAML node tree.
+
+    Raises:
+        RecipeError: on a key given twice in one mapping (YAML keeps the last one silently).
+    """
     out: Dict[str, int] = {}
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
             path = f"{prefix}{k.value}"
-            out[path] = k.start_mark.line + 1
-            out.update(_key_lines(v, path + "."))
+            line = k.start_mark.line + 1
+            if path in out:
+                raise RecipeError(f"{file}:{line}: duplicate key {path} (first given on line {out[path]})")
+            out[path] = line
+            out.update(_key_lines(v, file, path + "."))
     return out
 
 
@@ -343,6 +367,18 @@ def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
     if not isinstance(raw, dict):
         raise RecipeError(f"{_where(path, prefix.rstrip('.'), lines)}: {prefix.rstrip('.') or 'recipe'} must be "
                           f"a mapping, got {type(raw).__name__}")
+    kwargs = _checked_fields(cls, raw, path, prefix, lines)
+    for f in dataclasses.fields(cls):  # free-form mappings of another class's fields
+        if "schema" in f.metadata and kwargs.get(f.name):
+            kwargs[f.name] = _checked_fields(f.metadata["schema"], kwargs[f.name], path, f"{prefix}{f.name}.", lines)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{path}: {prefix.rstrip('.') or 'recipe'}: {e}") from None
+
+
+def _checked_fields(cls, raw: dict, path: str, prefix: str, lines: Dict[str, int]) -> dict:
+    """``raw``'s keys, each a field of ``cls`` and coerced to its type."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
     kwargs = {}
@@ -353,11 +389,11 @@ def _build(cls, raw: Any, path: str, prefix: str, lines: Dict[str, int]):
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
             raise RecipeError(f"{_where(path, full, lines)}: unknown key {full}{hint}")
         kwargs[key] = _coerce(hints[key], value, path, full, lines)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise RecipeError(f"{path}: {prefix.rstrip('.') or 'recipe'}: {e}") from None
+    return kwargs
 
+
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when PyYAML has it
+MAX_INT = 2 ** 31 - 1  # every integer in a recipe is a count, size, index, port or seed
 
 _SECTIONS = (ModelSection, DataSection, SyntheticSection, PretrainSection, ParallelConfig, ExportSection,
              LoraConfig, TrainerConfig, PrecisionConfig,
@@ -394,15 +430,19 @@ def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
     if hint is Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value) if abs(value) < 1e300 else value  # else: not a float, reported below
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise RecipeError(f"{_where(path, key, lines)}: {key} must be {_name(hint)}, got "
                           f"{type(value).__name__} {value!r}")
+    if hint is float and not math.isfinite(value):
+        raise RecipeError(f"{_where(path, key, lines)}: {key} must be a finite number, got {value!r}")
+    if hint is int and not -MAX_INT <= value <= MAX_INT:
+        raise RecipeError(f"{_where(path, key, lines)}: {key}={value} is out of range (|value| <= {MAX_INT:,})")
     return value
 
 

@@ -8,24 +8,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional, Tuple
+from typing import Optional
 
 import mindspore as ms
-import numpy as np
 
 from mindqwen import backend
 from mindqwen.config import QwenConfig
-from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs, write_pairs
-from mindqwen.data.loader import TokenDataset
+from mindqwen.data.instruct import write_pairs
+from mindqwen.data.sources import load_pretrain, load_split
 from mindqwen.data.synthetic import make_demo_data
 from mindqwen.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 from mindqwen.evaluate import exact_match
 from mindqwen.export import export_model
 from mindqwen.io.hf import from_pretrained
+from mindqwen.io.jsonfile import write_json
 from mindqwen.lora import apply_lora
 from mindqwen.models.qwen import QwenForCausalLM, set_document_boundaries
 from mindqwen.train.loop import fit
 from mindqwen.train.recipe import DataSection, ModelSection, Recipe
+from mindqwen.train.validate import check_recipe
 
 SAMPLES = 4  # generated answers printed and kept in the summary
 
@@ -44,39 +45,6 @@ def materialise_synthetic(data: DataSection, folder: str) -> DataSection:
                                tokenizer=tokenizer, synthetic=None)
 
 
-def load_split(path: Optional[str], tokenizer, seq_length: int) -> Tuple[Optional[TokenDataset], list]:
-    """(token rows, prompt/response pairs) of one split; pairs only for ``.jsonl``."""
-    if path is None:
-        return None, []
-    if os.path.isdir(path):  # a `mindqwen preprocess` folder (memory-mapped)
-        from mindqwen.data.preprocess import load_packed
-        data, manifest = load_packed(path)
-        if manifest.get("seq_length") != seq_length:
-            raise ValueError(f"{path}: packed to seq_length={manifest.get('seq_length')}, the recipe says {seq_length}")
-        return data, []
-    if path.endswith(".npy"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: data file not found")
-        ids = np.load(path)
-        if ids.ndim != 2 or ids.shape[1] != seq_length:
-            raise ValueError(f"{path}: expected token rows [examples, {seq_length}], got shape {ids.shape}")
-        return TokenDataset(ids), []
-    if path.endswith(".jsonl"):
-        if tokenizer is None:
-            raise ValueError(f"{path}: prompt/response data needs data.tokenizer")
-        pairs = read_pairs(path)
-        return encode_pairs(pairs, tokenizer, seq_length), pairs
-    raise ValueError(f"{path}: data is a `mindqwen preprocess` folder, .npy token rows or .jsonl prompt/response pairs")
-
-
-def load_pretrain(path: str, tokenizer, seq_length: int) -> TokenDataset:
-    """Pre-training rows: ``.txt`` is packed plain text; ``.jsonl`` pairs put the loss on the responses."""
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            return pack_text(f.read().splitlines(), tokenizer, seq_length)
-    return load_split(path, tokenizer, seq_length)[0]
-
-
 def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
     """From an HF checkpoint, or random weights of a preset / explicit config (``config`` overrides)."""
     if section.checkpoint:
@@ -88,8 +56,10 @@ def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> Qwen
     return QwenForCausalLM(config, getattr(ms, section.dtype))
 
 
-def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
-    """Run ``recipe``; returns (and writes as ``summary.json``) its figures and output paths."""
+def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None, source: str = "recipe") -> dict:
+    """Check ``recipe`` as ``mindqwen validate`` does, then run it; returns (and writes as
+    ``summary.json``) its figures and output paths. ``source`` names the recipe in errors."""
+    check_recipe(recipe, source)
     if recipe.trainer.compile_cache:  # MindSpore cannot cache fused graphs (train/compile_cache.py)
         backend.disable_cpu_fusion()
     if recipe.multimodal is not None:
@@ -138,8 +108,7 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -> dict:
             print(f"  {s['prompt']}{s['answer']}   (reference:{s['reference']})")
     if recipe.export.enabled:
         summary["export"] = export_recipe_model(model, recipe, data, tokenizer, os.path.join(out, "export"))
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2, ensure_ascii=False, default=str)
+    write_json(os.path.join(out, "summary.json"), summary)
     return summary
 
 

@@ -1,22 +1,30 @@
 """``mindqwen validate``: everything about a recipe that can be checked without training.
 
-Type checks (``load_recipe``), required fields, files, the model's shape against the parallel
-layout, LoRA targets against the model's modules, and a model build. ``tiny=True`` replaces the
-checkpoint by a tiny random model of the same architecture (and skips file checks), so recipes
-for 7B–72B models validate in seconds on a laptop.
+Type checks, finiteness, ranges and duplicate keys (``load_recipe``); required fields; the output
+folder; every data file read as training reads it (shapes against ``seq_length``, token ids
+against the vocabulary, records by line); ``seq_length`` against the model's positions; dtypes
+against the device; the model's shape against the parallel layout; LoRA targets against the
+model's modules; and a model build. ``mindqwen train`` runs the same ``check_recipe`` before it
+builds anything. ``tiny=True`` replaces the checkpoint by a tiny random model of the same
+architecture (and skips data checks), so recipes for 7B–72B models validate in seconds on a laptop.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from contextlib import nullcontext
-from typing import Sequence
+from typing import Optional, Sequence
+
+import mindspore as ms
 
 from mindqwen.config import QwenConfig
+from mindqwen.data.sources import load_pretrain, load_split
+from mindqwen.data.tokenizer import SentencePieceTokenizer
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.lora import apply_lora
 from mindqwen.models.qwen import Linear, QwenForCausalLM
 from mindqwen.train.distributed import check_model_layout
+from mindqwen.train.precision import check_device_support
 from mindqwen.train.recipe import Recipe, RecipeError, load_recipe
 
 # A tiny stand-in keeping the architecture's switches (qkv bias, q/k-norm, tying, GQA).
@@ -27,15 +35,21 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def model_config(recipe: Recipe, path: str) -> QwenConfig:
     """The config the recipe trains: the checkpoint's, else the preset's / explicit one."""
     m = recipe.model
-    if m.checkpoint:
-        if not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
-            raise RecipeError(f"{path}: model.checkpoint: {m.checkpoint} is not an HF folder (no config.json)")
-        return QwenConfig.from_hf(m.checkpoint)
-    if not m.preset and not m.config:
-        raise RecipeError(f"{path}: model: give checkpoint, preset or config")
-    if m.preset:
-        return QwenConfig.from_preset(m.preset, **m.config)
-    return QwenConfig(**{"vocab_size": 256, **m.config})  # vocab follows the demo's tokenizer
+    try:
+        if m.checkpoint:
+            if not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
+                raise RecipeError(f"{path}: model.checkpoint: {m.checkpoint} is not an HF folder (no config.json)")
+            return QwenConfig.from_hf(m.checkpoint)
+        if not m.preset and not m.config:
+            raise RecipeError(f"{path}: model: give checkpoint, preset or config")
+        if m.preset:
+            return QwenConfig.from_preset(m.preset, **m.config)
+        return QwenConfig(**{"vocab_size": 256, **m.config})  # vocab follows the demo's tokenizer
+    except RecipeError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:
+        where = "model.checkpoint" if m.checkpoint else "model.preset" if m.preset else "model.config"
+        raise RecipeError(f"{path}: {where}: {str(e).strip(chr(39))}") from None
 
 
 def tiny_config(config: QwenConfig) -> QwenConfig:
@@ -44,35 +58,105 @@ def tiny_config(config: QwenConfig) -> QwenConfig:
                                layer_types=None, sliding_window=None, use_sliding_window=False)
 
 
-def check_files(recipe: Recipe, path: str) -> None:
+def check_data(recipe: Recipe, path: str, vocab_size: Optional[int]) -> str:
+    """Read every data file as ``train`` will (shapes, token ids, records); returns a summary.
+
+    Raises:
+        RecipeError: naming the recipe, the key and the file (and line).
+    """
     d = recipe.data
-    if d.synthetic is None:
-        if d.train is None:
-            raise RecipeError(f"{path}: data.train is required (or data.synthetic for generated data)")
-        for key in ("train", "eval", "pretrain", "tokenizer"):
-            value = getattr(d, key)
-            if value is not None and not os.path.exists(value):
-                raise RecipeError(f"{path}: data.{key}: {value} not found")
-        if recipe.pretrain is not None and d.pretrain is None:
-            raise RecipeError(f"{path}: pretrain needs data.pretrain (a .txt corpus)")
+    if d.synthetic is not None:
+        given = [k for k in ("train", "eval", "pretrain", "tokenizer") if getattr(d, k) is not None]
+        if given:
+            raise RecipeError(f"{path}: data.{given[0]} is set, but data.synthetic writes its own data and tokenizer; "
+                              f"remove one of them")
+        return f"synthetic ({d.synthetic.train_examples} train, {d.synthetic.eval_examples} eval examples)"
+    if d.train is None:
+        raise RecipeError(f"{path}: data.train is required (or data.synthetic for generated data)")
+    if recipe.pretrain is not None and d.pretrain is None:
+        raise RecipeError(f"{path}: pretrain needs data.pretrain (.txt text or .jsonl pairs)")
+    for key in ("train", "eval", "pretrain", "tokenizer"):
+        value = getattr(d, key)
+        if value is not None and not os.path.exists(value):
+            raise RecipeError(f"{path}: data.{key}: {value} not found")
+    key = "tokenizer"
+    try:
+        tokenizer = SentencePieceTokenizer(d.tokenizer) if d.tokenizer else None
+        if tokenizer is not None and vocab_size is not None and tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"{d.tokenizer} has {tokenizer.vocab_size} tokens, the model's vocab_size is {vocab_size}")
+        if vocab_size is None and tokenizer is not None:  # the model is built with the tokenizer's
+            vocab_size = tokenizer.vocab_size
+        sizes = {}
+        for key in ("train", "eval"):
+            sizes[key] = len(load_split(getattr(d, key), tokenizer, d.seq_length, vocab_size)[0] or ())
+        if recipe.pretrain is not None:
+            key = "pretrain"
+            sizes[key] = len(load_pretrain(d.pretrain, tokenizer, d.seq_length, vocab_size))
+    except (ValueError, OSError, RuntimeError) as e:
+        raise RecipeError(f"{path}: data.{key}: {e}") from None
+    t = recipe.trainer
+    batch = t.micro_batch_size * t.gradient_accumulation * recipe.parallel.data_parallel
+    if sizes["train"] < batch:
+        raise RecipeError(f"{path}: data.train: {sizes['train']} examples, fewer than one global batch "
+                          f"(micro_batch_size × gradient_accumulation × data_parallel = {batch})")
+    return ", ".join(f"{k} {n:,}" for k, n in sizes.items() if n) + f" rows of {d.seq_length} tokens"
 
 
-def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False) -> str:
-    """Returns a short report; raises RecipeError (one line, naming the file and key)."""
-    recipe = load_recipe(path, overrides)
+def check_outputs(recipe: Recipe, path: str) -> None:
+    """``output_dir`` (and a resume checkpoint) can be used: never a file, and writable."""
+    out = recipe.trainer.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise RecipeError(f"{path}: trainer.output_dir: {out} is a file, not a folder")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise RecipeError(f"{path}: trainer.output_dir: cannot create or write {out} ({parent} is not a writable folder)")
+    resume = recipe.trainer.resume
+    if resume not in (None, "auto") and not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+        raise RecipeError(f"{path}: trainer.resume: {resume} is not a complete mindqwen checkpoint "
+                          "(no trainer_state.json); use auto for the newest in output_dir")
+
+
+def check_numerics(recipe: Recipe, config: QwenConfig, path: str, device: Optional[str]) -> None:
+    """Lengths against the model; dtypes against ``device`` (None: the recipe's target is not here)."""
+    d = recipe.data
+    if d.seq_length > config.max_position_embeddings:
+        raise RecipeError(f"{path}: data.seq_length={d.seq_length} exceeds the model's max_position_embeddings="
+                          f"{config.max_position_embeddings}")
+    if device is None:
+        return
+    if recipe.model.dtype == "bfloat16" and device == "CPU":
+        raise RecipeError(f"{path}: model.dtype: bfloat16 cannot compute on CPU (MindSpore has no bf16 CPU "
+                          "kernels); use float32 here, bfloat16 on Ascend")
+    try:
+        check_device_support(recipe.trainer.precision, device)
+    except ValueError as e:
+        raise RecipeError(f"{path}: trainer.precision: {e}") from None
+
+
+def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
+    """Everything ``train`` would otherwise fail on later; returns a short report.
+
+    ``mindqwen train`` runs this before it builds anything. Raises RecipeError (one line, naming
+    the file and key).
+    """
     if recipe.multimodal is not None:
         return validate_multimodal(recipe, path)
-    if not tiny:
-        check_files(recipe, path)
-    elif recipe.data.synthetic is None and recipe.data.train is None:
-        raise RecipeError(f"{path}: data.train is required (or data.synthetic for generated data)")
+    check_outputs(recipe, path)
     if tiny and recipe.model.checkpoint:
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=None))
-        config = model_config(recipe, path) if recipe.model.preset or recipe.model.config else None
-        if config is None:
+        if not (recipe.model.preset or recipe.model.config):
             raise RecipeError(f"{path}: --tiny needs model.preset (the architecture) when model.checkpoint is set")
-    else:
-        config = model_config(recipe, path)
+    config = model_config(recipe, path)
+    check_numerics(recipe, config, path, None if tiny else ms.get_context("device_target"))
+    if tiny:
+        if recipe.data.synthetic is None and recipe.data.train is None:
+            raise RecipeError(f"{path}: data.train is required (or data.synthetic for generated data)")
+        data = "not read (--tiny)"
+    else:  # the model's vocabulary follows the tokenizer unless a checkpoint or config fixes it
+        fixed_vocab = recipe.model.checkpoint or recipe.model.preset or "vocab_size" in recipe.model.config
+        data = check_data(recipe, path, config.vocab_size if fixed_vocab else None)
     lora_rank = recipe.lora.r if recipe.lora is not None else 0
     try:
         check_model_layout(config, recipe.parallel, lora_rank)
@@ -101,8 +185,14 @@ def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False
         training = f"LoRA r={lora_rank} on {total:,} parameters"
     return (f"{path}: ok\n"
             f"  model: {config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}{built_note}\n"
+            f"  data: {data}\n"
             f"  training: {training}\n"
             f"  parallel: dp {p.data_parallel} × tp {p.tensor_parallel} × pp {p.pipeline_parallel} = {p.devices} devices")
+
+
+def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False) -> str:
+    """``mindqwen validate``: load ``path`` with ``overrides`` and check it; returns the report."""
+    return check_recipe(load_recipe(path, overrides), path, tiny)
 
 
 def validate_multimodal(recipe: Recipe, path: str) -> str:
@@ -110,6 +200,7 @@ def validate_multimodal(recipe: Recipe, path: str) -> str:
     from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
     from mindqwen.multimodal.run import unsupported_keys
     m = recipe.multimodal
+    check_outputs(recipe, path)
     if unsupported_keys(recipe):
         raise RecipeError(f"{path}: multimodal recipes do not support {', '.join(unsupported_keys(recipe))} yet")
     config = QwenConfig(**{"vocab_size": m.shapes.vocab_size + 1, **recipe.model.config})

@@ -1,0 +1,87 @@
+"""A recipe's data files → token rows: preprocess folders, ``.npy`` rows, ``.jsonl`` pairs, ``.txt``.
+
+Every error names the file (and the line, for text): ``mindqwen validate`` and ``mindqwen train``
+read data through these same functions, so what validate passes, train can load.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import numpy as np
+
+from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs
+from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.io.textfile import read_lines
+
+
+def load_split(path: Optional[str], tokenizer, seq_length: int,
+               vocab_size: Optional[int] = None) -> Tuple[Optional[TokenDataset], list]:
+    """(token rows, prompt/response pairs) of one split; pairs only for ``.jsonl``.
+
+    Args:
+        vocab_size: if given, token ids must lie in [0, vocab_size) (an id past the embedding
+            table is not an error in every kernel: it can read zeros and train on them).
+    """
+    if path is None:
+        return None, []
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: data not found")
+    if os.path.isdir(path):  # a `mindqwen preprocess` folder (memory-mapped)
+        from mindqwen.data.preprocess import load_packed
+        data, manifest = load_packed(path)
+        if manifest.get("seq_length") != seq_length:
+            raise ValueError(f"{path}: packed to seq_length={manifest.get('seq_length')}, the recipe says {seq_length}")
+    elif path.endswith(".npy"):
+        data = TokenDataset(_load_rows(path, seq_length))
+    elif path.endswith(".jsonl"):
+        if tokenizer is None:
+            raise ValueError(f"{path}: prompt/response data needs data.tokenizer")
+        pairs = read_pairs(path)
+        try:
+            return _checked(encode_pairs(pairs, tokenizer, seq_length), path, vocab_size), pairs
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    else:
+        raise ValueError(f"{path}: data is a `mindqwen preprocess` folder, .npy token rows or .jsonl "
+                         "prompt/response pairs")
+    return _checked(data, path, vocab_size), []
+
+
+def load_pretrain(path: str, tokenizer, seq_length: int, vocab_size: Optional[int] = None) -> TokenDataset:
+    """Pre-training rows: ``.txt`` is packed plain text; ``.jsonl`` pairs put the loss on the responses."""
+    if path.endswith(".txt"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: data not found")
+        if tokenizer is None:
+            raise ValueError(f"{path}: plain text needs data.tokenizer")
+        try:
+            rows = pack_text((line.text.rstrip("\r\n") for line in read_lines(path)), tokenizer, seq_length)
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
+        return _checked(rows, path, vocab_size)
+    return load_split(path, tokenizer, seq_length, vocab_size)[0]
+
+
+def _load_rows(path: str, seq_length: int) -> np.ndarray:
+    try:
+        ids = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable .npy array ({e})") from None
+    if ids.ndim != 2 or ids.shape[1] != seq_length or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{path}: expected integer token rows [examples, {seq_length}] (data.seq_length), "
+                         f"got {ids.dtype} {list(ids.shape)}")
+    return ids
+
+
+def _checked(data: TokenDataset, path: str, vocab_size: Optional[int]) -> TokenDataset:
+    if len(data) == 0:
+        raise ValueError(f"{path}: no examples")
+    if vocab_size is not None:
+        lo, hi = int(data.input_ids.min()), int(data.input_ids.max())
+        labels = np.asarray(data.labels)
+        bad_label = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))]
+        if lo < 0 or hi >= vocab_size or bad_label.size:
+            raise ValueError(f"{path}: token ids must be in [0, {vocab_size}) (the model's vocab_size), "
+                             f"found {lo if lo < 0 else hi if hi >= vocab_size else int(bad_label[0])}")
+    return data
