@@ -8,7 +8,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["mindqwen", "mindqwen.*"]),
+    # recipes/ ships inside the package as mindqwen.recipes (found with importlib.resources)
+    packages=find_packages(include=["mindqwen", "mindqwen.*"]) + ["mindqwen.recipes"],
+    package_dir={"mindqwen.recipes": "recipes"},
+    package_data={"mindqwen.recipes": ["*.md", "*/*.yaml"]},
     install_requires=[
         "mindspore==2.10.0",
         "numpy<2",  # MindSpore 2.10 is built against NumPy 1.x (bf16 interop breaks under 2.x)
@@ -19,6 +22,10 @@ setup(
         "tqdm",
         "decorator",  # MindSpore's AKG kernel builder (CPU graph-kernel fusion, on by default) imports it
     ],
-    extras_require={"test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers"], "plot": ["matplotlib"]},
+    extras_require={
+        "test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers", "build"],
+        "plot": ["matplotlib"],
+        "multimodal": ["pillow"],  # image files (MindSpore installs it too, but mindqwen imports it directly)
+    },
     entry_points={"console_scripts": ["mindqwen = mindqwen.cli:main"]},
 )

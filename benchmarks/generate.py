@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--peer-script", default=PEER_SCRIPT)
     args = ap.parse_args()
     from mindqwen import QwenConfig, QwenForCausalLM
-    from mindqwen.generate import generate
+    from mindqwen.generation import generate
     from mindqwen.train.metrics import peak_memory_mb
     import mindspore as ms
     import numpy as np

@@ -5,6 +5,7 @@ worker does not pay for importing MindSpore. Importing mindqwen before MindSpore
 what MindSpore reads only when it loads (``mindqwen.backend``).
 """
 import importlib
+from typing import TYPE_CHECKING
 
 from mindqwen import backend
 
@@ -14,14 +15,35 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "mindqwen.config": ["ConfigError", "QwenConfig"],
+    "mindqwen.data.tokenizer": ["load_tokenizer"],
+    "mindqwen.data.loader": ["TokenDataset"],
+    "mindqwen.generation": ["GenerationConfig", "Generator", "OutputFilter", "generate"],
     "mindqwen.io.hf": ["from_pretrained"],
     "mindqwen.io.safetensors": ["CheckpointError"],
     "mindqwen.lora": ["LoraConfig", "LoRALayer", "apply_lora", "load_adapter", "mark_only_lora_trainable",
                       "merge_and_unload", "merge_lora", "save_adapter", "trainable_report", "unmerge_lora"],
     "mindqwen.models.qwen": ["QwenForCausalLM", "QwenModel"],
+    "mindqwen.train.config": ["TrainerConfig"],
+    "mindqwen.train.loop": ["TrainingDiverged", "fit"],
+    "mindqwen.train.precision": ["PrecisionConfig"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
+
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
+    from mindqwen.config import ConfigError, QwenConfig  # noqa: F401
+    from mindqwen.data.tokenizer import load_tokenizer  # noqa: F401
+    from mindqwen.data.loader import TokenDataset  # noqa: F401
+    from mindqwen.generation import GenerationConfig, Generator, OutputFilter, generate  # noqa: F401
+    from mindqwen.io.hf import from_pretrained  # noqa: F401
+    from mindqwen.io.safetensors import CheckpointError  # noqa: F401
+    from mindqwen.lora import (LoraConfig, LoRALayer, apply_lora, load_adapter, mark_only_lora_trainable,  # noqa: F401
+                               merge_and_unload, merge_lora, save_adapter, trainable_report, unmerge_lora)
+    from mindqwen.models.qwen import QwenForCausalLM, QwenModel  # noqa: F401
+    from mindqwen.train.config import TrainerConfig  # noqa: F401
+    from mindqwen.train.loop import TrainingDiverged, fit  # noqa: F401
+    from mindqwen.train.precision import PrecisionConfig  # noqa: F401
 
 
 def __getattr__(name: str):

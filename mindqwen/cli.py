@@ -32,15 +32,16 @@ def _load_model(folder: str, adapter: Optional[str] = None):
 def cmd_train(argv: List[str]) -> None:
     """Run a training recipe end to end (data, model, training, evaluation, adapter, export)."""
     p = _parser(cmd_train, "mindqwen train recipes/demo/demo.yaml trainer.max_steps=100 lora.r=16")
-    p.add_argument("recipe", help="recipe YAML (see `mindqwen recipes ls`)")
+    p.add_argument("recipe", help="recipe YAML, or a bundled recipe's name (`mindqwen recipes ls`)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = p.parse_intermixed_args(argv)  # overrides may follow options
-    from mindqwen.train.recipe import load_recipe
+    from mindqwen.train.recipe import find_recipe, load_recipe
     from mindqwen.train.run import train_recipe
-    recipe = load_recipe(args.recipe, args.overrides)
-    with open(args.recipe, encoding="utf-8") as f:
+    path = find_recipe(args.recipe)
+    recipe = load_recipe(path, args.overrides)
+    with open(path, encoding="utf-8-sig") as f:
         text = f.read() + "".join(f"\n# override: {o}" for o in args.overrides)
-    summary = train_recipe(recipe, text, args.recipe)
+    summary = train_recipe(recipe, text, path)
     outputs = {**summary["train"]["outputs"], "export": summary.get("export", {}).get("folder")}
     if "loss_curve" in outputs and outputs["loss_curve"] is None:
         outputs["loss_curve"] = "none (pip install matplotlib)"
@@ -93,8 +94,8 @@ def cmd_generate(argv: List[str]) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs --tokenizer)")
     p.add_argument("--seed", type=int, help="sampling seed")
     args = p.parse_args(argv)
-    from mindqwen.data.preprocess import load_tokenizer
-    from mindqwen.generate import GenerationConfig, Generator
+    from mindqwen.data.tokenizer import load_tokenizer
+    from mindqwen.generation import GenerationConfig, Generator
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     if args.prompt is not None:
         if tokenizer is None:
@@ -176,8 +177,8 @@ def cmd_serve(argv: List[str]) -> None:
     import signal
     import threading
 
-    from mindqwen.data.preprocess import load_tokenizer
-    from mindqwen.generate import Generator, OutputFilter
+    from mindqwen.data.tokenizer import load_tokenizer
+    from mindqwen.generation import Generator, OutputFilter
     from mindqwen.serve import Server
     from mindqwen.train.recipe import Recipe, load_recipe
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
-from mindqwen.generate import GenerationConfig, Generator
+from mindqwen.generation import GenerationConfig, Generator
 
 Pair = Tuple[str, str]
 

@@ -8,6 +8,8 @@ files.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -32,9 +34,38 @@ BIAS_MODES = ("none", "lora_only", "all")
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# PEFT config fields mindqwen cannot honour; any non-empty value is refused by name.
-_UNSUPPORTED_PEFT = ("rank_pattern", "alpha_pattern", "layers_pattern", "target_parameters",
-                     "trainable_token_indices", "layer_replication", "exclude_modules")
+_ANY = None
+# PEFT ``LoraConfig`` arguments that are not mindqwen fields: name → (the values that mean what
+# mindqwen does, or _ANY for metadata; why any other value is refused). ``init_lora_weights`` is
+# PEFT's spelling of ``init``.
+PEFT_ARGUMENTS = {
+    "task_type": (("CAUSAL_LM", None), "mindqwen adapts causal language models only"),
+    "peft_type": (("LORA", None), "mindqwen implements LoRA (and DoRA) only"),
+    "inference_mode": ((True, False), ""),  # apply_lora trains and load_adapter loads: the call decides
+    "base_model_name_or_path": (_ANY, ""), "revision": (_ANY, ""), "auto_mapping": (_ANY, ""),
+    "runtime_config": (_ANY, ""), "megatron_core": (_ANY, ""), "qalora_group_size": (_ANY, ""),
+    "peft_version": (_ANY, ""),
+    "fan_in_fan_out": ((False,), "Qwen's linear layers store [out, in] weights (it is for GPT-2's Conv1D)"),
+    "lora_bias": ((False,), "a trainable bias on lora_B is not implemented"),
+    "use_qalora": ((False,), "QA-LoRA needs a quantized base model"),
+    "rank_pattern": ((None, {}), "per-module ranks are not implemented"),
+    "alpha_pattern": ((None, {}), "per-module alphas are not implemented"),
+    "layers_pattern": ((None, "layers", ["layers"]), "Qwen's decoder layers are model.layers"),
+    "exclude_modules": ((None, [], ""), "not implemented: list the modules to adapt in target_modules"),
+    "target_parameters": ((None, []), "LoRA on bare parameters is not implemented"),
+    "trainable_token_indices": ((None, [], {}), "training single embedding rows is not implemented"),
+    "layer_replication": ((None, []), "layer replication is not implemented"),
+    "loftq_config": ((None, {}), "LoftQ needs a quantized base model"),
+    "megatron_config": ((None, {}), "Megatron parallel layers are not used (see parallel: in a recipe)"),
+    "eva_config": ((None, {}), "EVA initialisation is not implemented"),
+    "corda_config": ((None, {}), "CorDA initialisation is not implemented"),
+    "alora_invocation_tokens": ((None, []), "activated LoRA is not implemented"),
+    "use_bdlora": ((None, False), "BD-LoRA is not implemented"),
+    "ensure_weight_tying": ((None, False), "adapting tied embeddings together is not implemented"),
+    **{name: ((None, {}), "this LoRA variant is not implemented")
+       for name in ("arrow_config", "kasa_config", "lora_ga_config", "monteclora_config", "velora_config")},
+}
+INIT_LORA_WEIGHTS = {True: "default", "gaussian": "gaussian", "pissa": "pissa"}
 
 
 def _is_int(x) -> bool:
@@ -45,9 +76,38 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _peft_arguments(cls):
+    """``cls(...)`` also takes PEFT's ``LoraConfig`` keywords (``PEFT_ARGUMENTS``): each is honoured
+    or refused by name with the reason, never a ``TypeError``."""
+    fields_init = cls.__init__
+
+    @functools.wraps(fields_init)
+    def __init__(self, *args, **kwargs):
+        peft = {k: kwargs.pop(k) for k in list(kwargs) if k in PEFT_ARGUMENTS or k == "init_lora_weights"}
+        if "init_lora_weights" in peft:
+            value = peft.pop("init_lora_weights")
+            if not isinstance(value, (bool, str)) or value not in INIT_LORA_WEIGHTS:
+                raise ValueError(f"LoraConfig: init_lora_weights={value!r} is not supported "
+                                 f"(True, 'gaussian' or 'pissa')")
+            if "init" in kwargs and kwargs["init"] != INIT_LORA_WEIGHTS[value]:
+                raise ValueError("LoraConfig: give init or init_lora_weights (PEFT's name for it), not both")
+            kwargs["init"] = INIT_LORA_WEIGHTS[value]
+        for key, value in peft.items():
+            accepted, why = PEFT_ARGUMENTS[key]
+            if accepted is not _ANY and not any(value == a and type(value) is type(a) for a in accepted):
+                raise ValueError(f"LoraConfig: {key}={value!r} is not supported: {why}")
+        fields_init(self, *args, **kwargs)
+    cls.__init__ = __init__
+    return cls
+
+
+@_peft_arguments
 @dataclass
 class LoraConfig:
     """Which layers get LoRA and how (field names and meanings follow PEFT's ``LoraConfig``).
+
+    PEFT's other keywords are taken too (``task_type="CAUSAL_LM"``, ``init_lora_weights``,
+    ``inference_mode``, …, see ``PEFT_ARGUMENTS``): each is honoured or refused by name.
 
     Attributes:
         r: rank of A [r, in] and B [out, r].
@@ -150,28 +210,17 @@ class LoraConfig:
         """Read a PEFT ``adapter_config.json`` dict; unsupported features raise naming the key."""
         if not isinstance(cfg, dict):
             raise ValueError(f"{source}: an adapter config is a JSON object, got {type(cfg).__name__}")
-        if cfg.get("peft_type", "LORA") != "LORA":
-            raise ValueError(f"{source}: peft_type {cfg.get('peft_type')!r} is not LoRA")
-        for key in _UNSUPPORTED_PEFT:
-            if cfg.get(key):
-                raise ValueError(f"{source}: {key}={cfg[key]!r} is not supported by mindqwen")
-        for key in ("fan_in_fan_out", "lora_bias", "use_qalora"):
-            if cfg.get(key):
-                raise ValueError(f"{source}: {key}=true is not supported by mindqwen")
-        # The file's weights replace any initialisation, and PiSSA's would also rewrite the base
-        # weights (an adapter that needs the residual base cannot be applied to this one anyway).
-        init = "gaussian" if cfg.get("init_lora_weights") == "gaussian" else "default"
-        targets = cfg.get("target_modules")
-        if targets is None:
+        if cfg.get("target_modules") is None:
             raise ValueError(f"{source}: target_modules is missing")
+        # Keys of a newer PEFT are ignored. The file's weights replace any initialisation, and
+        # PiSSA's would also rewrite the base weights: a loaded adapter never re-initialises.
+        known = {f.name for f in dataclasses.fields(cls)} | set(PEFT_ARGUMENTS)
+        args = {k: v for k, v in cfg.items() if k in known and k not in ("init", "init_lora_weights")}
         try:
-            return cls(r=cfg.get("r", 8), lora_alpha=cfg.get("lora_alpha", 8),
-                       lora_dropout=cfg.get("lora_dropout", 0.0), target_modules=targets,
-                       layers_to_transform=cfg.get("layers_to_transform"), bias=cfg.get("bias", "none"),
-                       modules_to_save=cfg.get("modules_to_save"), use_rslora=cfg.get("use_rslora", False),
-                       use_dora=cfg.get("use_dora", False), init=init)
+            return cls(**{"lora_alpha": 8, **args}, init="gaussian" if cfg.get("init_lora_weights") == "gaussian"
+                       else "default")
         except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
+            raise ValueError(f"{source}: {str(e).removeprefix('LoraConfig: ')}") from None
 
 
 class LoRALayer(nn.Cell):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
-from mindqwen.generate import GenerationConfig, Generator, RowResult
+from mindqwen.generation import GenerationConfig, Generator, RowResult
 
 MAX_BODY_BYTES = 1 << 20
 HISTORY = 256  # batch sizes kept for /health

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import MODELS, fixture_path, reference
 from mindqwen import from_pretrained
-from mindqwen.generate import generate
+from mindqwen.generation import generate
 
 PROMPT_LEN = 16  # the references continue input_ids[0] (16 tokens) by 8 greedy tokens
 

@@ -7,7 +7,7 @@ from mindspore import Tensor
 
 from conftest import MODELS, fixture_path, reference
 from mindqwen import QwenConfig, QwenForCausalLM, apply_lora, from_pretrained, merge_lora
-from mindqwen.generate import (GenerationConfig, Generator, OutputFilter, choose_token, generate,
+from mindqwen.generation import (GenerationConfig, Generator, OutputFilter, choose_token, generate,
                                process_logits, softmax)
 from mindqwen.lora import LoraConfig, lora_layers
 from mindqwen.models.kv_cache import CachedStep, CacheLayout

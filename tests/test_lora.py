@@ -89,6 +89,29 @@ def test_a_step_moves_only_the_adapter(mode):
         assert changed == (".lora_" in p.name), p.name
 
 
+def test_the_private_recompile_hook_exists_and_restamps_every_cell():
+    """models/graph.py writes MindSpore's private Cell._create_time (no public reset exists); the
+    graph-mode merge test below is what breaks if the stamp stops invalidating graphs."""
+    from mindqwen.models.graph import invalidate_compiled_graphs
+    model = base()
+    before = {name: cell._create_time for name, cell in model.cells_and_names()}
+    invalidate_compiled_graphs(model)
+    after = {name: cell._create_time for name, cell in model.cells_and_names()}
+    assert before.keys() == after.keys() and all(after[n] != before[n] for n in before)
+
+
+def test_save_pretrained_refuses_a_model_with_adapters(tmp_path):
+    model = apply_lora(base(), LoraConfig(r=4))
+    with pytest.raises(ValueError, match=r"save_adapter\(model, folder\).*merge_and_unload\(model\)\.save_pretrained"):
+        model.save_pretrained(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    merge_lora(model)  # merged but not unloaded: the LoRA tensors are still there
+    with pytest.raises(ValueError, match="has LoRA adapters"):
+        model.save_pretrained(str(tmp_path / "out"))
+    merge_and_unload(model).save_pretrained(str(tmp_path / "out"))
+    assert not [k for k in SafetensorsFile(str(tmp_path / "out" / "model.safetensors")).keys() if "lora" in k]
+
+
 def test_merge_is_w_plus_scaled_ba_and_unmerge_restores(mode):
     model = apply_lora(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     rng = np.random.default_rng(0)
@@ -358,3 +381,19 @@ def test_adapter_stays_fp32_over_a_fp16_base():
     logits = model(ms.Tensor(ref["input_ids"].astype(np.int32))).asnumpy().astype(np.float32)
     scale = np.abs(ref["logits_lora"]).max()
     assert np.abs(logits - ref["logits_lora"]).max() < 5e-3 * scale  # fp16 rounding of an fp32 reference
+
+
+def test_lora_config_takes_pefts_keywords_honoured_or_refused_by_name():
+    # the call Qwen fine-tuning guides use with PEFT
+    c = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_alpha=32, lora_dropout=0.1, bias="none",
+                   task_type="CAUSAL_LM")
+    assert (c.r, c.lora_alpha, c.lora_dropout, c.scaling) == (8, 32, 0.1, 4.0)
+    assert LoraConfig(init_lora_weights="gaussian").init == "gaussian" and LoraConfig(init_lora_weights=True).init == "default"
+    assert LoraConfig(inference_mode=True, base_model_name_or_path="Qwen/Qwen2.5-0.5B", rank_pattern={}).r == 8
+    for keywords, needle in [({"task_type": "SEQ_CLS"}, "task_type='SEQ_CLS' is not supported: mindqwen adapts causal"),
+                             ({"fan_in_fan_out": True}, "fan_in_fan_out=True is not supported"),
+                             ({"init_lora_weights": "olora"}, "init_lora_weights='olora' is not supported"),
+                             ({"rank_pattern": {"q_proj": 4}}, "rank_pattern=.* per-module ranks"),
+                             ({"use_bdlora": True}, "use_bdlora=True is not supported")]:
+        with pytest.raises(ValueError, match=needle):
+            LoraConfig(**keywords)

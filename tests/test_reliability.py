@@ -120,6 +120,7 @@ def test_fp32_divergence_names_a_finite_checkpoint_that_resumes(tmp_path):
         return fit(lora_model(), TokenDataset(DATA), config)
 
     run(2, 1e-3)
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE  # fit compiles in graph mode and gives the caller's back
     # Resumed with lr 1e39 (inf in fp32): step 3's loss is finite, its update makes the LoRA
     # weights inf, and its checkpoint is refused.
     with pytest.raises(TrainingDiverged, match=r"step 3: parameter .* holds NaN or inf; checkpoint not written; "

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import fixture_path, reference
 from mindqwen import from_pretrained
-from mindqwen.generate import GenerationConfig, Generator
+from mindqwen.generation import GenerationConfig, Generator
 from mindqwen.serve import Server
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.data.tokenizer import load_tokenizer
 from mindqwen.io.textfile import iter_lines
 
 KINDS = ("text", "sft")
@@ -45,14 +46,6 @@ class Summary:
     truncated: int = 0
     skipped: int = 0
     skipped_lines: List[str] = field(default_factory=list)  # "file:line" of the first ten
-
-
-def load_tokenizer(path: str):
-    """A Qwen tokenizer folder (or qwen.tiktoken), or a SentencePiece ``.model``."""
-    from mindqwen.data.tokenizer import QwenTokenizer, SentencePieceTokenizer
-    if path.endswith(".model"):
-        return SentencePieceTokenizer(path)
-    return QwenTokenizer.from_tiktoken_file(path) if path.endswith(".tiktoken") else QwenTokenizer.from_pretrained(path)
 
 
 def tokenizer_hash(path: str) -> str:

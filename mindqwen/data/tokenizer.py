@@ -231,6 +231,13 @@ class SentencePieceTokenizer:
         return self.sp.decode([int(i) for i in ids])
 
 
+def load_tokenizer(path: str) -> Union[QwenTokenizer, SentencePieceTokenizer]:
+    """A Qwen tokenizer folder (or ``qwen.tiktoken``), or a SentencePiece ``.model``."""
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    return QwenTokenizer.from_tiktoken_file(path) if path.endswith(".tiktoken") else QwenTokenizer.from_pretrained(path)
+
+
 def train_sentencepiece(lines: Iterable[str], path: str, vocab_size: int) -> SentencePieceTokenizer:
     """Train a BPE SentencePiece model on ``lines`` and write it to ``path`` (``*.model``).
 

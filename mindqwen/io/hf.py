@@ -146,6 +146,10 @@ def save_pretrained(model: QwenForCausalLM, folder: str, dtype: Optional[str] = 
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    lora = [p.name for p in model.get_parameters() if ".lora_" in p.name]
+    if lora:  # an HF folder has no place for them: transformers would load the base model silently
+        raise ValueError(f"the model has LoRA adapters ({lora[0]}, …): save_adapter(model, folder) writes them "
+                         "in PEFT format; merge_and_unload(model).save_pretrained(folder) writes the merged weights")
     save_tensors(folder, {name: _lazy(p, dtype) for name, p in _state(model)}, model.config.to_hf(), dtype,
                  max_shard_size)
 

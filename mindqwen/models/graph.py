@@ -14,4 +14,7 @@ def invalidate_compiled_graphs(model: nn.Cell) -> None:
     """
     stamp = time.time_ns()
     for _, cell in model.cells_and_names():
+        if not hasattr(cell, "_create_time"):  # a MindSpore that renamed it would run stale graphs
+            raise RuntimeError("this MindSpore has no Cell._create_time: mindqwen cannot invalidate compiled "
+                               "graphs after changing a model (tests/test_lora.py checks this hook)")
         object.__setattr__(cell, "_create_time", stamp)

@@ -38,7 +38,20 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     Writes ``metrics.jsonl``, checkpoints (``checkpoints/step_*``), ``loss_curve.png`` and, at
     the end, ``adapter/`` (PEFT format, LoRA) or ``model/`` (HF format, full fine-tune) into
     ``config.output_dir``. Returns a summary (final loss, eval loss, steps, overflow count).
+    The caller's execution mode (graph or PyNative) is restored on return.
+
+    Raises:
+        TrainingDiverged: see ``divergence`` (docs/training.md, "Divergence").
     """
+    mode = ms.get_context("mode")
+    try:
+        return _fit(model, train_data, config, eval_data, recipe_text, parallel)
+    finally:
+        ms.set_context(mode=mode)
+
+
+def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_data: Optional[TokenDataset],
+         recipe_text: Optional[str], parallel: Optional[ParallelConfig]) -> dict:
     # 1. set-up: mode, seed, ranks, precision, recompute, optimizer, step Cells
     ms.set_context(mode=ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(config.seed)

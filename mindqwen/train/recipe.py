@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import math
 import os
-import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -167,7 +167,7 @@ class OutputFilterSection:
     action: str = "mask"
 
     def __post_init__(self) -> None:
-        from mindqwen.generate import OutputFilter
+        from mindqwen.generation import OutputFilter
         OutputFilter(self.block, self.action)  # raises on a bad action or pattern
 
 
@@ -177,7 +177,7 @@ class GenerationSection:
 
     Attributes:
         max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, stop_strings:
-            as in HF ``generate`` (``mindqwen.generate.GenerationConfig``).
+            as in HF ``generate`` (``mindqwen.generation.GenerationConfig``).
         output_filter: block-list applied to generated text while generating and serving.
     """
 
@@ -195,7 +195,7 @@ class GenerationSection:
 
     def config(self, **overrides):
         """A ``GenerationConfig`` with these defaults and ``overrides``."""
-        from mindqwen.generate import GenerationConfig
+        from mindqwen.generation import GenerationConfig
         fields = {k: getattr(self, k) for k in ("max_new_tokens", "do_sample", "temperature", "top_k",
                                                 "top_p", "repetition_penalty", "stop_strings")}
         return GenerationConfig(**{**fields, **overrides})
@@ -295,8 +295,7 @@ def load_recipe(path: str, overrides: Sequence[str] = ()) -> Recipe:
     Raises:
         RecipeError: naming the file, line and key of the first problem.
     """
-    if not os.path.isfile(path):
-        raise RecipeError(f"{path}: recipe file not found")
+    path = find_recipe(path)
     try:
         with open(path, encoding="utf-8-sig") as f:
             text = f.read()
@@ -451,10 +450,26 @@ def _name(hint) -> str:
 
 
 def recipes_folder() -> str:
-    """The bundled ``recipes/``: next to the package in a checkout or editable install, else
-    where ``setup.py`` installs them (``<prefix>/share/mindqwen/recipes``)."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
-    return here if os.path.isdir(here) else os.path.join(sys.prefix, "share", "mindqwen", "recipes")
+    """The bundled ``recipes/``: the package data ``mindqwen.recipes`` of an installed wheel,
+    else (a checkout, an editable install) the folder next to the package."""
+    try:
+        installed = importlib.resources.files("mindqwen.recipes")
+    except (ModuleNotFoundError, TypeError):
+        installed = None
+    if isinstance(installed, os.PathLike) and os.path.isdir(installed):
+        return os.fspath(installed)
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "recipes")
+
+
+def find_recipe(name_or_path: str) -> str:
+    """A recipe file: ``name_or_path`` itself, or a bundled recipe by name (``qwen2_5/0.5b_lora``)."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    name = name_or_path[:-len(".yaml")] if name_or_path.endswith(".yaml") else name_or_path
+    bundled = bundled_recipes().get(name.replace(os.sep, "/").removeprefix("recipes/"))
+    if bundled is None:
+        raise RecipeError(f"{name_or_path}: recipe file not found (and not a bundled recipe: `mindqwen recipes ls`)")
+    return bundled
 
 
 def bundled_recipes() -> Dict[str, str]:
@@ -465,7 +480,7 @@ def bundled_recipes() -> Dict[str, str]:
         for name in files:
             if name.endswith(".yaml"):
                 path = os.path.join(folder, name)
-                found[os.path.relpath(path, root)[:-len(".yaml")]] = path
+                found[os.path.relpath(path, root)[:-len(".yaml")].replace(os.sep, "/")] = path
     return dict(sorted(found.items()))
 
 
