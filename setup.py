@@ -23,7 +23,7 @@ setup(
         "decorator",  # MindSpore's AKG kernel builder (CPU graph-kernel fusion, on by default) imports it
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers", "build"],
+        "test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers"],
         "plot": ["matplotlib"],
         "multimodal": ["pillow"],  # image files (MindSpore installs it too, but mindqwen imports it directly)
     },

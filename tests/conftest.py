@@ -13,6 +13,11 @@ MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
 ms.set_device("CPU")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: an end-to-end run of minutes (the README's command runs them too; "
+                                       "`pytest -m 'not slow' tests` skips them while iterating)")
+
+
 def fixture_path(*parts: str) -> str:
     return os.path.join(FIXTURES, *parts)
 

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN = 0.5  # absolute exact-match gain on the 120 held-out questions
 
 
+@pytest.mark.slow
 def test_demo_recipe_learns_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run([sys.executable, "-m", "mindqwen", "train", os.path.join(ROOT, "recipes", "demo", "demo.yaml"),

@@ -1,6 +1,6 @@
-"""`mindqwen estimate`: parameter counts against published model sizes, the memory total against
-peak memory measured on CPU, and the fit verdicts of bundled recipes."""
-import json
+"""`mindqwen estimate`: parameter counts against published model sizes and the fit verdicts of
+bundled recipes. The memory total against a measured CPU peak is a benchmark
+(``benchmarks/estimate_check.py``, docs/performance.md), not a unit test."""
 import os
 import subprocess
 import sys
@@ -22,18 +22,6 @@ def test_parameter_count_equals_published(preset):
     layer, embed, head = parameter_counts(config)
     total = config.num_hidden_layers * layer + embed + head + config.hidden_size  # + final norm
     assert total == PUBLISHED[preset]
-
-
-def test_estimate_is_within_25_percent_of_measured_cpu_peak():
-    """A bench-small shape outside the calibration set (LoRA, 6 layers, batch 2 × 384), trained in
-    a fresh process (VmHWM)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "estimate_check.py"), "--quick"],
-                       capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"}, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for line in r.stdout.strip().splitlines():
-        row = json.loads(line)
-        print(row)
-        assert 0.75 <= row["ratio"] <= 1.25, row
 
 
 def _estimate(recipe, device, *overrides):

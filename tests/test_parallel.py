@@ -67,19 +67,27 @@ def test_sharded_mlp_slices_reproduce_the_layer():
 
 
 def test_sharded_attention_keeps_each_query_head_with_its_kv_head():
-    """q/k/v column slices and o_proj's row slice select whole heads, and device t's query heads
-    use exactly device t's KV heads (head h reads KV head h // n_rep, as HF's repeat_kv)."""
-    cfg = from_pretrained(fixture_path("qwen2_tiny", "base")).config
+    """The strategies ``shard_model`` sets, read back and applied to feature indices: q/k/v row
+    slices and o_proj's column slice select whole heads, the attention batch-matmuls split the
+    KV-head axis the same way, and device t's query heads use exactly device t's KV heads (head h
+    reads KV head h // n_rep, as HF's repeat_kv)."""
+    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    shard_model(model, DP, TP)
+    attn, cfg = model.model.layers[0].self_attn, model.config
     n, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q_rows = np.arange(n * d)  # q_proj output feature → head = feature // d
-    k_rows = np.arange(kv * d)
+
+    def heads(linear, features, axis):  # the heads of the W slice device (0, t) holds
+        index = np.expand_dims(np.arange(features), 1 - axis)  # feature index along W's ``axis``
+        return set(local(index, strategy(linear)[1], 0, t).ravel() // d)
+
     for t in range(TP):
-        q_heads = set(np.split(q_rows, TP)[t] // d)
-        k_heads = set(np.split(k_rows, TP)[t] // d)
-        assert {h // (n // kv) for h in q_heads} == k_heads
-        assert len(q_heads) == n // TP  # whole heads: no head is cut in two
-        o_cols = np.split(np.arange(n * d), TP)[t]  # o_proj's input slice (row-parallel)
-        assert set(o_cols // d) == q_heads
+        q_heads, k_heads, v_heads = heads(attn.q_proj, n * d, 0), heads(attn.k_proj, kv * d, 0), heads(attn.v_proj, kv * d, 0)
+        o_heads = heads(attn.o_proj, n * d, 1)  # row-parallel: W (out, in) split by input columns
+        kv_axis = np.broadcast_to(np.arange(kv)[None, :, None, None], (DP, kv, 1, 1))  # (B, KV, ·, ·)
+        bmm_heads = {set(local(kv_axis, s, 0, t).ravel()) == k_heads for s in attn.bmm_qk.attrs["in_strategy"]
+                     + attn.bmm_pv.attrs["in_strategy"]}
+        assert {h // (n // kv) for h in q_heads} == k_heads == v_heads and bmm_heads == {True}
+        assert len(q_heads) == n // TP and o_heads == q_heads  # whole heads: no head is cut in two
 
 
 def test_layout_errors_are_clear():

@@ -3,6 +3,7 @@ streaming and graceful shutdown."""
 import http.client
 import json
 import threading
+import time
 
 import pytest
 
@@ -109,6 +110,14 @@ def test_bad_requests_get_4xx_with_a_message(generator):
         server.shutdown()
 
 
+def wait_until(condition, what, timeout=300.0):
+    """Poll ``condition`` (sleeping between looks) until it holds; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
 def test_full_queue_gets_503_and_shutdown_finishes_in_flight_requests(generator):
     server = _server(generator, max_batch_size=1, batch_timeout_ms=0, max_queue=1)
     gate, held = _gate(server)
@@ -120,14 +129,12 @@ def test_full_queue_gets_503_and_shutdown_finishes_in_flight_requests(generator)
     # "third" may take the queue's one place and wait at the gate for good (seen once in CI).
     assert held.wait(timeout=300)  # the worker has taken "first" and waits at the gate
     threads[1].start()
-    while server.worker.queue.qsize() < 1:  # "second" fills the queue
-        pass
+    wait_until(lambda: server.worker.queue.qsize() >= 1, "second fills the queue")
     code, text = _post(server, "/v1/completions", {"prompt": "third"})
     assert code == 503 and "queue is full" in text
     stopper = threading.Thread(target=server.shutdown)
     stopper.start()
-    while server.worker.accepting:
-        pass
+    wait_until(lambda: not server.worker.accepting, "the server stops accepting")
     code, text = _post(server, "/v1/completions", {"prompt": "late"})
     assert code == 503 and "shutting down" in text
     gate.set()

@@ -5,10 +5,12 @@ import os
 
 import nbclient  # test-only dependencies (setup.py extras "test")
 import nbformat
+import pytest
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "tutorial.ipynb")
 
 
+@pytest.mark.slow
 def test_tutorial_notebook_executes(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     os.environ.setdefault("GLOG_v", "3")
