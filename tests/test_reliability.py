@@ -342,3 +342,17 @@ def test_resume_skips_a_truncated_or_non_finite_newest_checkpoint(tmp_path, caps
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000001")
     with pytest.raises(CheckpointError, match="no checkpoint loads"):
         checkpoint.resume("auto", str(tmp_path), model, opt, scaler)
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    from mindqwen.io.atomic import atomic_file
+    path = tmp_path / "summary.json"
+    path.write_text("old")
+    with pytest.raises(ZeroDivisionError):
+        with atomic_file(str(path)) as tmp, open(tmp, "w") as f:
+            f.write("half a new fi")
+            1 / 0
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["summary.json"]
+    with atomic_file(str(path)) as tmp, open(tmp, "w") as f:
+        f.write("new")
+    assert path.read_text() == "new" and os.listdir(tmp_path) == ["summary.json"]

@@ -50,7 +50,7 @@ def deploy_copy(model: QwenForCausalLM, dtype: str = "float32") -> QwenForCausal
     source = {p.name: p for p in model.get_parameters()}
     with no_init_parameters():  # every weight is set below: no random init to pay for
         copy = QwenForCausalLM(model.config, DTYPES[dtype], use_fused_ops=False)
-    np_dtype = ms.dtype_to_nptype(DTYPES[dtype])
+    np_dtype = np.dtype(dtype)  # "float32" | "float16": the same names in NumPy
     for p in copy.get_parameters():
         value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
         p.set_data(Tensor.from_numpy(np.ascontiguousarray(value, np_dtype)))  # adopted, not copied, at first run

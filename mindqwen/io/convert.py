@@ -19,6 +19,7 @@ import numpy as np
 
 from mindqwen.config import QwenConfig
 from mindqwen.io.hf import DTYPES, no_init_parameters, open_checkpoint, sanitize, save_tensors
+from mindqwen.io.atomic import atomic_file
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, check_finite, save_file
 from mindqwen.models.hf_keys import MAPS, from_format, part_rows, to_format
 
@@ -126,16 +127,11 @@ def write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
     if not path.endswith(".ckpt"):
         raise ValueError(f"{path}: write a .ckpt or .safetensors file (or use --to hf for a folder)")
     import mindspore as ms
-    tmp = f"{path}.tmp-{os.getpid()}.ckpt"
-    try:
+    with atomic_file(path, ".ckpt") as tmp:  # MindSpore appends .ckpt to a name without it
         tensors = [{"name": k, "data": ms.Tensor(t.load())} for k, t in state.items()]
         if bf16:
             tensors = [{"name": d["name"], "data": d["data"].astype(ms.bfloat16)} for d in tensors]
         ms.save_checkpoint(tensors, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def load_model(source: str, fmt: str = "hf", config: Optional[str] = None, qkv: Optional[str] = None,

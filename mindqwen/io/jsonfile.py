@@ -1,7 +1,8 @@
 """Reading the small JSON files of checkpoint and adapter folders with errors that name them."""
 import json
-import os
 from typing import Any, Type
+
+from mindqwen.io.atomic import atomic_file
 
 
 def read_json(path: str, error: Type[Exception], what: str) -> Any:
@@ -16,14 +17,6 @@ def read_json(path: str, error: Type[Exception], what: str) -> Any:
 
 
 def write_json(path: str, data: Any) -> None:
-    """Write ``data`` to ``path`` through a temporary file, fsync and a rename: never half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, ensure_ascii=False, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write ``data`` to ``path`` atomically (``atomic_file``): never half a file."""
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False, default=str)

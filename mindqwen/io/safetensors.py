@@ -14,6 +14,8 @@ from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional, Tupl
 
 import numpy as np
 
+from mindqwen.io.atomic import atomic_file
+
 # safetensors dtype tag -> numpy storage dtype (bf16 is stored as its raw uint16 bits).
 _STORAGE = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -157,7 +159,7 @@ class LazyTensor(NamedTuple):
 
 def save_file(tensors: Mapping[str, Union[np.ndarray, LazyTensor]], path: str,
               metadata: Optional[Dict[str, str]] = None, bf16: bool = False) -> None:
-    """Write tensors to ``path`` atomically (temp file, fsync, rename).
+    """Write tensors to ``path`` atomically (``atomic_file``: temp file, fsync, rename).
 
     ``LazyTensor`` values are loaded one at a time while writing, so peak memory stays near the
     largest tensor. With ``bf16=True`` floating tensors are stored as bf16 (round to nearest even).
@@ -174,22 +176,14 @@ def save_file(tensors: Mapping[str, Union[np.ndarray, LazyTensor]], path: str,
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for name, t in tensors.items():
-                arr = np.ascontiguousarray(t.load() if isinstance(t, LazyTensor) else t)
-                if header[name]["dtype"] == "BF16":  # rounded in slices: no full-size temporaries
-                    flat = arr.reshape(-1)
-                    for i in range(0, flat.size, _BF16_SLICE):
-                        f.write(memoryview(fp32_to_bf16_bits(flat[i:i + _BF16_SLICE])).cast("B"))
-                else:
-                    f.write(memoryview(arr).cast("B"))  # no bytes copy of the tensor
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, t in tensors.items():
+            arr = np.ascontiguousarray(t.load() if isinstance(t, LazyTensor) else t)
+            if header[name]["dtype"] == "BF16":  # rounded in slices: no full-size temporaries
+                flat = arr.reshape(-1)
+                for i in range(0, flat.size, _BF16_SLICE):
+                    f.write(memoryview(fp32_to_bf16_bits(flat[i:i + _BF16_SLICE])).cast("B"))
+            else:
+                f.write(memoryview(arr).cast("B"))  # no bytes copy of the tensor

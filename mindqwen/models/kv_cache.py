@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
 
 from mindqwen.config import QwenConfig
 
@@ -47,11 +47,11 @@ class CacheLayout:
         return (self.num_layers, self.batch_size, self.num_kv_heads, self.max_len, self.head_dim)
 
     def zeros(self, dtype=ms.float32) -> Tensor:
-        return Tensor(np.zeros(self.shape, ms.dtype_to_nptype(dtype)))
+        return ops.zeros(self.shape, dtype)
 
     def nbytes(self, dtype=ms.float32) -> int:
         """Bytes of keys plus values."""
-        return 2 * int(np.prod(self.shape)) * np.dtype(ms.dtype_to_nptype(dtype)).itemsize
+        return 2 * int(np.prod(self.shape)) * dtype.itemsize
 
 
 class CachedStep(nn.Cell):

@@ -487,6 +487,13 @@ class QwenForCausalLM(nn.Cell):
         shift_logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
         return -ops.reduce_sum(_label_log_probs(shift_logits, shift_labels)) / count
 
+    @classmethod
+    def from_pretrained(cls, folder: str, dtype: str = "float32",
+                        allow_non_finite: bool = False) -> "QwenForCausalLM":
+        """The model of an HF folder (config.json + safetensors): ``mindqwen.from_pretrained``."""
+        from mindqwen.io.hf import from_pretrained
+        return from_pretrained(folder, dtype, allow_non_finite)
+
     def save_pretrained(self, folder: str, dtype: Optional[str] = None,
                         max_shard_size: str = "5GB") -> None:
         """Write an HF folder (config.json + safetensors) that transformers loads unchanged."""

@@ -12,6 +12,7 @@ import numpy as np
 from mindspore import ops
 
 from mindqwen.config import QwenConfig
+from mindqwen.io.atomic import atomic_file
 from mindqwen.io.textfile import iter_lines
 
 
@@ -72,10 +73,8 @@ class MetricsLog:
         """A resumed run rewrites the steps the killed run logged past its checkpoint."""
         kept = [json.dumps(r) + "\n" for r in self.read() if r.get("step", 0) <= step] if step > 0 else []
         if kept or os.path.exists(self.path):
-            tmp = f"{self.path}.tmp-{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
+            with atomic_file(self.path) as tmp, open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(kept)
-            os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         if self.enabled:
@@ -143,8 +142,7 @@ def plot_loss_curve(records: List[dict], path: str) -> Optional[str]:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    with atomic_file(path, ".png") as tmp:  # matplotlib picks the format by the suffix
+        fig.savefig(tmp, dpi=100, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
     return path
