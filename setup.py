@@ -1,9 +1,14 @@
 """mindqwen: MindSpore-native training and deployment of Qwen-family language models."""
+import re
+
 from setuptools import find_packages, setup
+
+with open("mindqwen/__init__.py", encoding="utf-8") as f:  # the one place the version is written
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 setup(
     name="mindqwen",
-    version="0.1.0",
+    version=VERSION,
     description="MindSpore-native training, LoRA and deployment of Qwen2 / Qwen2.5 / Qwen3 models",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
