@@ -94,6 +94,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
                   "eval": None if eval_data is None else list(eval_data.input_ids.shape[1:])}
         cache = os.path.join(config.compile_cache, graph_key(model, asdict(config), shapes))
     streak = updated = 0  # overflowed steps in a row; steps of this run that updated the model
+    scale = float(scaler.scale_value.asnumpy())  # the scale the next step uses (each record has it after)
     with compile_cache(cache):
         record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
                                desc="training", unit="step", disable=not (config.progress and main))
@@ -101,7 +102,6 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
             ids, labels = loader.batch(step)
             batches = [(ms.Tensor(ids[i:i + mb]), ms.Tensor(labels[i:i + mb])) for i in range(0, len(ids), mb)]
             lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
-            scale = float(scaler.scale_value.asnumpy())
             t = time.perf_counter()
             try:
                 loss, finite, norm = stepper(batches)
@@ -117,6 +117,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
                       "tokens_per_s": tokens * world / seconds, "step_s": seconds,
                       "mfu": step_flops / seconds / peak_flops, "peak_memory_mb": peak_memory_mb()}
             reason = divergence(loss, finite, norm, scale, streak, updated, last, config.precision, dynamic)
+            scale = record["loss_scale"]
             if reason:
                 log.write(record)
                 raise TrainingDiverged(f"step {step + 1}: {reason}; last good checkpoint: "
