@@ -16,7 +16,7 @@ import sys
 from mindqwen.config import QwenConfig
 from mindqwen.io.adapters import mindformers_to_peft, peft_to_mindformers
 from mindqwen.io.safetensors import SafetensorsFile, save_file
-from mindqwen.models.hf_keys import lazy, part_rows
+from mindqwen.io.convert import lazy, part_rows
 
 TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 

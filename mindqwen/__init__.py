@@ -18,11 +18,10 @@ _EXPORTS = {
     "mindqwen.data.tokenizer": ["load_tokenizer"],
     "mindqwen.data.loader": ["TokenDataset"],
     "mindqwen.generation": ["GenerationConfig", "Generator", "OutputFilter", "generate"],
-    "mindqwen.io.hf": ["from_pretrained"],
     "mindqwen.io.safetensors": ["CheckpointError"],
     "mindqwen.lora": ["LoraConfig", "LoRALayer", "apply_lora", "load_adapter", "mark_only_lora_trainable",
                       "merge_and_unload", "merge_lora", "save_adapter", "trainable_report", "unmerge_lora"],
-    "mindqwen.models.qwen": ["QwenForCausalLM", "QwenModel"],
+    "mindqwen.models.qwen": ["QwenForCausalLM", "QwenModel", "from_pretrained"],
     "mindqwen.train.config": ["TrainerConfig"],
     "mindqwen.train.loop": ["TrainingDiverged", "fit"],
     "mindqwen.train.precision": ["PrecisionConfig"],
@@ -36,11 +35,10 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load
     from mindqwen.data.tokenizer import load_tokenizer  # noqa: F401
     from mindqwen.data.loader import TokenDataset  # noqa: F401
     from mindqwen.generation import GenerationConfig, Generator, OutputFilter, generate  # noqa: F401
-    from mindqwen.io.hf import from_pretrained  # noqa: F401
     from mindqwen.io.safetensors import CheckpointError  # noqa: F401
     from mindqwen.lora import (LoraConfig, LoRALayer, apply_lora, load_adapter, mark_only_lora_trainable,  # noqa: F401
                                merge_and_unload, merge_lora, save_adapter, trainable_report, unmerge_lora)
-    from mindqwen.models.qwen import QwenForCausalLM, QwenModel  # noqa: F401
+    from mindqwen.models.qwen import QwenForCausalLM, QwenModel, from_pretrained  # noqa: F401
     from mindqwen.train.config import TrainerConfig  # noqa: F401
     from mindqwen.train.loop import TrainingDiverged, fit  # noqa: F401
     from mindqwen.train.precision import PrecisionConfig  # noqa: F401

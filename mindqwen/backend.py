@@ -24,9 +24,11 @@ import warnings
 
 # --opt_level=2 turns fusion on for the CPU; Exp/Log stay unfused (fused, they moved the loss by
 # 3e-5), and so does Cast (AKG fails to build fused fp16 casts: "composite_topi.cc: Check failed:
-# attr->IsInstance<StringImm>()"; unfused, fp32 steps measured the same); small clusters keep
-# AKG's compile of each fused kernel short.
-CPU_FUSION_FLAGS = "--opt_level=2 --disable_cluster_ops=Exp,Log,Cast --composite_op_limit_size=50"
+# attr->IsInstance<StringImm>()"; unfused, fp32 steps measured the same), and Transpose (fused
+# Transpose clusters in the ViT's backward gave gradients of 1e15-1e37 where eager ones are ~1e-7,
+# changing run to run: tests/test_multimodal.py compares them); small clusters keep AKG's compile
+# of each fused kernel short.
+CPU_FUSION_FLAGS = "--opt_level=2 --disable_cluster_ops=Exp,Log,Cast,Transpose --composite_op_limit_size=50"
 
 _imported_after_mindspore = "mindspore" in sys.modules
 

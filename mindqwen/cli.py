@@ -45,8 +45,7 @@ def cmd_train(argv: List[str]) -> None:
     outputs = {**summary["train"]["outputs"], "export": summary.get("export", {}).get("folder")}
     if "loss_curve" in outputs and outputs["loss_curve"] is None:
         outputs["loss_curve"] = "none (pip install matplotlib)"
-    files = "summary.json" + (", metrics.jsonl" if recipe.multimodal is None else "")
-    print(f"outputs in {summary['output_dir']}: {files}; " + ", ".join(f"{k}: {v}" for k, v in outputs.items() if v))
+    print(f"outputs in {summary['output_dir']}: summary.json, metrics.jsonl; " + ", ".join(f"{k}: {v}" for k, v in outputs.items() if v))
 
 
 def cmd_eval(argv: List[str]) -> None:
@@ -123,25 +122,48 @@ def cmd_generate(argv: List[str]) -> None:
 
 
 def cmd_export(argv: List[str]) -> None:
-    """Export prefill + decode MindIR graphs, converter_lite configs and a parity report."""
+    """Export prefill + decode MindIR graphs, converter_lite configs and a parity report, from an
+    HF folder (with the flags below) or from a finished recipe run (with its export section)."""
     p = _parser(cmd_export, "mindqwen export tests/fixtures/qwen2_tiny/base --output out/export "
-                            "--batch-sizes 1,4,8 --max-seq-len 2048 --dtype float16 --target Ascend310")
-    p.add_argument("model", help="HF folder")
+                            "--batch-sizes 1,4,8 --max-seq-len 2048 --dtype float16 --target Ascend310\n"
+                            "  mindqwen export recipes/demo/demo.yaml    # what `mindqwen train` of it trained")
+    p.add_argument("model", help="HF folder, or a recipe (file or bundled name) whose run has finished")
+    p.add_argument("overrides", nargs="*", help="recipe key=value overrides (with a recipe)")
     p.add_argument("--adapter", help="PEFT adapter folder, merged into the exported graphs")
-    p.add_argument("--output", required=True, help="export folder (replaced atomically)")
-    p.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (converter gears)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="KV-cache length: prompt + new tokens")
+    p.add_argument("--output", help="export folder, replaced atomically (default with a recipe: "
+                                    "<output_dir>/export)")
+    p.add_argument("--batch-sizes", help="comma-separated batch sizes (converter gears; default 1)")
+    p.add_argument("--max-seq-len", type=int, help="KV-cache length: prompt + new tokens (default 2048)")
     p.add_argument("--seq-buckets", help="comma-separated prompt-length gears (default 64, 128, …)")
-    p.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    p.add_argument("--target", default="Ascend310", help="Ascend310 | Ascend310P | Ascend910 | Ascend910B")
+    p.add_argument("--dtype", choices=["float32", "float16"], help="default float32")
+    p.add_argument("--target", help="Ascend310 (default) | Ascend310P | Ascend910 | Ascend910B")
     p.add_argument("--precision-mode", help="ge.exec.precision_mode (default: by dtype)")
     p.add_argument("--tokenizer", action="append", default=[], help="tokenizer file to ship (repeatable)")
     args = p.parse_args(argv)
+    folder_only = ("adapter", "batch_sizes", "max_seq_len", "seq_buckets", "dtype", "target", "precision_mode",
+                   "tokenizer")
+    if not os.path.isdir(args.model):
+        from mindqwen.train.recipe import find_recipe, load_recipe
+        from mindqwen.train.run import export_recipe
+        given = [f for f in folder_only if getattr(args, f)]
+        if given:
+            p.error(f"--{given[0].replace('_', '-')} is for an HF folder; a recipe's export settings are "
+                    "recipe keys (export.*, override them as key=value)")
+        path = find_recipe(args.model)
+        report = export_recipe(load_recipe(path, args.overrides), args.output)
+        print(f"wrote {report['folder']} from {path}")
+        return
+    if args.overrides:
+        p.error(f"key=value overrides ({args.overrides[0]}) are for a recipe, not an HF folder")
+    if not args.output:
+        p.error("--output is required with an HF folder")
     from mindqwen.export import export_model
+    args.target = args.target or "Ascend310"
     model = _load_model(args.model, args.adapter)
-    manifest = export_model(model, args.output, _ints(args.batch_sizes, "--batch-sizes"), args.max_seq_len,
+    manifest = export_model(model, args.output, _ints(args.batch_sizes or "1", "--batch-sizes"),
+                            args.max_seq_len or 2048,
                             _ints(args.seq_buckets, "--seq-buckets") if args.seq_buckets else None,
-                            args.dtype, args.target, args.precision_mode, args.tokenizer)
+                            args.dtype or "float32", args.target, args.precision_mode, args.tokenizer)
     with open(os.path.join(args.output, "parity.json"), encoding="utf-8") as f:
         parity = json.load(f)
     print(f"wrote {args.output}: prefill.mindir, decode.mindir, manifest.json, lite/ ({args.target})")
@@ -254,9 +276,10 @@ def cmd_merge(argv: List[str]) -> None:
     _add_source_format(p)
     args = p.parse_args(argv)
     from mindqwen import load_adapter, merge_and_unload
-    from mindqwen.io.convert import DTYPE_ALIASES, load_model
-    model = load_model(args.model, _source_format(args, args.model), args.config, args.qkv, args.mlp,
-                       args.allow_non_finite)
+    from mindqwen.io.convert import DTYPE_ALIASES
+    from mindqwen.models.qwen import QwenForCausalLM
+    model = QwenForCausalLM.from_checkpoint(args.model, _source_format(args, args.model), args.config, args.qkv,
+                                            args.mlp, args.allow_non_finite)
     merged = merge_and_unload(load_adapter(model, args.adapter, args.allow_non_finite))
     merged.save_pretrained(args.output, dtype=DTYPE_ALIASES[args.dtype] if args.dtype else None)
     print(f"wrote {args.output}")

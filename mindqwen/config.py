@@ -139,6 +139,30 @@ class QwenConfig:
         """Rows of logits per block of the chunked loss (``LOSS_CHUNK_ELEMENTS``)."""
         return max(1, LOSS_CHUNK_ELEMENTS // self.vocab_size)
 
+    def tensor_shapes(self) -> Dict[str, tuple]:
+        """HF name → shape of every weight of the model this config describes: the layout of its
+        checkpoint (``QwenForCausalLM``'s parameters, checked against them by the tests)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for n in range(self.num_hidden_layers):
+            layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                     "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h),
+                     "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                layer[f"self_attn.{proj}.weight"] = (rows, h)
+                if self.qkv_bias:
+                    layer[f"self_attn.{proj}.bias"] = (rows,)
+            if self.o_bias:
+                layer["self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                layer["self_attn.q_norm.weight"] = layer["self_attn.k_norm.weight"] = (d,)
+            shapes.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
     # ------------------------------------------------------------------ rotary tables
     def rope_inv_freq(self) -> tuple:
         """Inverse frequencies [head_dim/2] (float32) and the attention scaling of the rotary table.

@@ -149,12 +149,12 @@ def _device(device: str) -> Tuple[float, float, str]:
 def estimate_recipe(recipe, device: str) -> Estimate:
     """The recipe's memory per device; the architecture comes from the checkpoint's config.json,
     or from ``model.preset`` when the checkpoint is not on this machine (no weights are read)."""
-    from mindqwen.train.validate import model_config
+    from mindqwen.train.validate import recipe_model_config
     m = recipe.model
     if m.checkpoint and m.preset and not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
         config = QwenConfig.from_preset(m.preset, **m.config)
     else:
-        config = model_config(recipe, "recipe")
+        config = recipe_model_config(recipe, "recipe")
     return estimate(config, recipe.lora, recipe.trainer, recipe.parallel, recipe.model.dtype,
                     recipe.data.seq_length, device)
 

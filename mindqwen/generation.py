@@ -58,6 +58,7 @@ class GenerationConfig:
     pad_token_id: Optional[int] = None
     seed: Optional[int] = None
     eos_ids: Tuple[int, ...] = field(init=False, repr=False)
+    pad_id: int = field(init=False, repr=False)  # pad_token_id, else the first eos id, else 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -74,8 +75,7 @@ class GenerationConfig:
             self.stop_strings = (self.stop_strings,)
         eos = self.eos_token_id
         self.eos_ids = () if eos is None else tuple(int(e) for e in np.atleast_1d(eos))
-        if self.pad_token_id is None:
-            self.pad_token_id = self.eos_ids[0] if self.eos_ids else 0
+        self.pad_id = self.pad_token_id if self.pad_token_id is not None else (self.eos_ids or (0,))[0]
 
 
 def process_logits(logits: np.ndarray, seen: np.ndarray, config: GenerationConfig) -> np.ndarray:
@@ -285,7 +285,7 @@ class Generator:
             tokens = np.empty((b, 1), np.int32)
             for r, row in enumerate(rows):
                 if row.finish is not None:
-                    tokens[r, 0] = row.config.pad_token_id
+                    tokens[r, 0] = row.config.pad_id
                     continue
                 tokens[r, 0], delta = row.step(logits_np[r])
                 if on_token is not None:
@@ -330,7 +330,7 @@ def generate(model, input_ids, max_new_tokens: int = 32, do_sample: bool = False
         object.__setattr__(model, "_mindqwen_generator", gen)
     results = gen.run(prompts, config, on_token, progress)
     n = max(len(r.tokens) for r in results)
-    new = np.full((len(results), n), config.pad_token_id, np.int32)
+    new = np.full((len(results), n), config.pad_id, np.int32)
     for i, r in enumerate(results):
         new[i, :len(r.tokens)] = r.tokens
     return np.concatenate([padded, new], 1)

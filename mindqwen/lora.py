@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -23,6 +22,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import HeUniform, Normal, initializer
 
+from mindqwen.io.atomic import staged_files
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.models.graph import invalidate_compiled_graphs
@@ -486,17 +486,11 @@ def save_adapter(model: nn.Cell, folder: str) -> None:
     if config.init == "pissa":  # exported relative to the original base: rank 2r, same scaling
         peft.update(r=2 * config.r, init_lora_weights=True,
                     lora_alpha=config.lora_alpha * (math.sqrt(2) if config.use_rslora else 2))
-    os.makedirs(folder, exist_ok=True)
-    stage = os.path.join(folder, f".tmp-adapter-{os.getpid()}")
-    os.makedirs(stage, exist_ok=True)
-    try:
+    with staged_files(folder) as (stage, names):
         save_file(adapter_state(model), os.path.join(stage, ADAPTER_WEIGHTS))
         with open(os.path.join(stage, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(peft, f, indent=2)
-        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-            os.replace(os.path.join(stage, name), os.path.join(folder, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        names += [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
 
 
 def load_adapter(model: nn.Cell, folder: str, allow_non_finite: bool = False) -> nn.Cell:

@@ -11,7 +11,7 @@ from mindqwen import from_pretrained, load_adapter
 from mindqwen.io.adapters import mindformers_to_peft, peft_to_mindformers
 from mindqwen.io.convert import read_state
 from mindqwen.io.safetensors import SafetensorsFile, save_file
-from mindqwen.models.hf_keys import from_format, lazy, part_rows, to_format
+from mindqwen.io.convert import from_format, lazy, part_rows, to_format
 
 
 def write_adapter(folder, tensors, config):

@@ -63,6 +63,37 @@ def test_export_writes_graphs_that_reproduce_hf_logits(tmp_path):
     np.testing.assert_allclose(logits, ref["logits"][:, -1], atol=5e-5)
 
 
+def test_export_of_a_finished_recipe_run_is_the_trained_lora_model(tmp_path):
+    """``mindqwen export <recipe>``: the exported prefill graph gives the logits of the run's base
+    checkpoint with its saved PEFT adapter merged in (≤ 5e-5), with the recipe's export settings."""
+    from mindqwen import load_adapter, merge_and_unload
+    np.save(tmp_path / "train.npy", np.random.default_rng(0).integers(0, 512, (8, 16)).astype(np.int32))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{checkpoint: {fixture_path('qwen2_tiny', 'base')}}}\n"
+                      f"data: {{train: {tmp_path / 'train.npy'}, seq_length: 16}}\n"
+                      "lora: {r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}\n"
+                      f"trainer: {{max_steps: 2, micro_batch_size: 4, lr: 0.01, output_dir: {tmp_path / 'run'}}}\n"
+                      "export: {batch_sizes: [1], max_seq_len: 32, seq_buckets: [16], dtype: float32}\n")
+    cli("train", str(recipe))
+    r = cli("export", str(recipe))
+    assert f"wrote {tmp_path / 'run' / 'export'}" in r.stdout
+    expected = merge_and_unload(load_adapter(from_pretrained(fixture_path("qwen2_tiny", "base")),
+                                             str(tmp_path / "run" / "adapter")))
+    base = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    ids = np.random.default_rng(1).integers(0, 512, (1, 16)).astype(np.int32)
+    want, untrained = (m(ms.Tensor(ids)).asnumpy()[:, -1] for m in (expected, base))
+    assert np.abs(want - untrained).max() > 1e-3  # the adapter changed the model
+    graph = ms.nn.GraphCell(ms.load(str(tmp_path / "run" / "export" / "prefill.mindir")))
+    cache = np.zeros((2, 1, 2, 32, 16), np.float32)  # layers, batch, KV heads, slots, head_dim
+    mask = np.zeros((1, 32), np.int32)
+    mask[:, :16] = 1
+    logits = graph(*map(ms.Tensor, (ids, np.arange(16, dtype=np.int32)[None], mask, np.arange(16, dtype=np.int32),
+                                    cache, cache)))[0].asnumpy()
+    np.testing.assert_allclose(logits, want, atol=5e-5)
+    with pytest.raises(AssertionError, match="--dtype is for an HF folder"):
+        cli("export", str(recipe), "--dtype", "float16")
+
+
 def test_convert_round_trip_keeps_hf_logits(tmp_path):
     ckpt, back = tmp_path / "model.ckpt", tmp_path / "hf"
     cli("convert", fixture_path("qwen2_tiny", "base"), str(ckpt))

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import MODELS, fixture_path, reference
 from mindqwen import from_pretrained
-from mindqwen.io.convert import convert, load_model, read_state
+from mindqwen.io.convert import convert, read_state
+from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile
 
 ROUTES = [("mindqwen", "x", None, None), ("ms-ckpt", "x.ckpt", None, None), ("mindformers", "x.ckpt", None, None),
@@ -35,7 +36,7 @@ def test_round_trip_through_a_file_is_bit_exact(name, fmt, file, qkv, mlp, tmp_p
     direct = from_pretrained(base)(ids).asnumpy()
     # the model loaded straight from the intermediate format computes what the HF-loaded one does,
     # bit for bit; that one is within test_model_parity's 5e-5 of HF (fp32 summation order)
-    from_intermediate = load_model(str(tmp_path / file), fmt, base, qkv, mlp)(ids).asnumpy()
+    from_intermediate = QwenForCausalLM.from_checkpoint(str(tmp_path / file), fmt, base, qkv, mlp)(ids).asnumpy()
     assert np.array_equal(from_intermediate, direct)
     assert np.array_equal(from_pretrained(str(tmp_path / "back"))(ids).asnumpy(), direct)
     assert np.abs(direct - ref["logits"]).max() <= 5e-5
@@ -72,3 +73,18 @@ def test_bad_input_names_the_problem_and_writes_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         convert(str(truncated), str(tmp_path / "out"), "mindformers-mcore", "hf", base)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "qwen3-o-bias"])
+def test_config_tensor_shapes_are_the_models_parameters(name):
+    """``QwenConfig.tensor_shapes`` (what conversion checks a checkpoint against, without building
+    a model) lists exactly the model's parameters: tied and untied heads, qkv bias, q/k-norm."""
+    from mindqwen.config import QwenConfig
+    from mindqwen.io.hf import no_init_parameters
+    if name == "qwen3-o-bias":
+        config = QwenConfig.from_preset("qwen3-0.6b", num_hidden_layers=2, qkv_bias=True, o_bias=True)
+    else:
+        config = QwenConfig.from_preset(name, num_hidden_layers=3)
+    with no_init_parameters():
+        model = QwenForCausalLM(config)
+    assert config.tensor_shapes() == {p.name: tuple(p.shape) for p in model.get_parameters()}

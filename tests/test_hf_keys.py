@@ -8,7 +8,7 @@ import pytest
 from conftest import MODELS, fixture_path, reference
 from mindqwen import QwenConfig, QwenForCausalLM, from_pretrained
 from mindqwen.io.hf import open_checkpoint
-from mindqwen.models.hf_keys import from_format, fuse, lazy, part_rows, to_format
+from mindqwen.io.convert import from_format, fuse, lazy, part_rows, to_format
 
 VARIANTS = [("mindformers", None, None), ("mindformers", "interleaved", "interleaved"),
             ("mindformers-mcore", "contiguous", "contiguous"), ("mindformers-mcore", "interleaved", "interleaved"),

@@ -112,6 +112,32 @@ def test_save_pretrained_refuses_a_model_with_adapters(tmp_path):
     assert not [k for k in SafetensorsFile(str(tmp_path / "out" / "model.safetensors")).keys() if "lora" in k]
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_saved_merged_lora_model_is_the_folder_transformers_and_peft_write(name, tmp_path):
+    """``merge_and_unload(load_adapter(...)).save_pretrained`` writes what transformers + PEFT's
+    ``merge_and_unload().save_pretrained`` wrote (the golden ``merged/``): the same tensor names,
+    the same values (≤ 1e-6), a config.json that agrees on every field transformers reads; and
+    both mindqwen's loader and the reference logits see the LoRA model, not the base."""
+    model = merge_and_unload(load_adapter(base(name), fixture_path(name, "lora_adapter")))
+    model.save_pretrained(str(tmp_path / "out"))
+    ours = SafetensorsFile(str(tmp_path / "out" / "model.safetensors"))
+    theirs = SafetensorsFile(fixture_path(name, "merged", "model.safetensors"))
+    assert sorted(ours.keys()) == sorted(theirs.keys())
+    worst = max(float(np.abs(ours.get(k) - theirs.get(k)).max()) for k in theirs.keys())
+    print(f"{name}: saved merged weights vs transformers + PEFT: max |Δ| = {worst:.1e}")
+    assert worst <= 1e-6
+    with open(tmp_path / "out" / "config.json") as f, open(fixture_path(name, "merged", "config.json")) as g:
+        ours_cfg, theirs_cfg = json.load(f), json.load(g)
+    shared = set(ours_cfg) & set(theirs_cfg) - {"transformers_version", "dtype", "torch_dtype"}
+    assert {"architectures", "model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads",
+            "vocab_size", "tie_word_embeddings"} <= shared
+    assert {k: ours_cfg[k] for k in shared} == {k: theirs_cfg[k] for k in shared}
+    logits = from_pretrained(str(tmp_path / "out"))(ids_of(name)).asnumpy()
+    ref = reference(name)
+    np.testing.assert_allclose(logits, ref["logits_lora"], atol=5e-5)
+    assert np.abs(ref["logits_lora"] - ref["logits"]).max() > 1e-2  # the adapter matters
+
+
 def test_merge_is_w_plus_scaled_ba_and_unmerge_restores(mode):
     model = apply_lora(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     rng = np.random.default_rng(0)

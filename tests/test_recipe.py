@@ -95,8 +95,9 @@ def test_every_recipe_key_is_documented():
         demo = f.read()  # the reference recipe lists and comments every key
     with open(os.path.join(ROOT, "recipes", "multimodal", "shapes.yaml"), encoding="utf-8") as f:
         shapes = f.read()  # the multimodal sections' reference recipe
-    for cls in recipe_module._SECTIONS:
-        reference, name = (shapes, "multimodal/shapes") if cls in recipe_module.MULTIMODAL_SECTIONS else (demo, "demo/demo")
+    multimodal = recipe_module.sections(recipe_module.MultimodalSection)
+    for cls in recipe_module.sections()[1:]:
+        reference, name = (shapes, "multimodal/shapes") if cls in multimodal else (demo, "demo/demo")
         for field in dataclasses.fields(cls):
             if field.init:
                 assert f"`{field.name}`" in doc, f"{cls.__name__}.{field.name} is not in docs/recipes.md"

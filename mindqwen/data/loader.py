@@ -9,7 +9,7 @@ nothing is read and thrown away.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -18,10 +18,15 @@ IGNORE_INDEX = -100
 
 @dataclass
 class TokenDataset:
-    """Token rows of one length. ``labels`` default to ``input_ids`` (the model shifts them)."""
+    """Token rows of one length. ``labels`` default to ``input_ids`` (the model shifts them).
+
+    A batch is the tuple (input_ids, labels) or, with ``pixel_values`` (image-text rows for a
+    multimodal model), (input_ids, labels, pixel_values): the order the loss network takes them.
+    """
 
     input_ids: np.ndarray  # (N, S) int
     labels: Optional[np.ndarray] = None  # (N, S) int, -100 = no loss
+    pixel_values: Optional[np.ndarray] = None  # (N, 3, H, W) or (N, T, 3, H, W) float32
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids)
@@ -33,13 +38,27 @@ class TokenDataset:
         self.labels = np.asarray(self.labels)
         if self.labels.shape != self.input_ids.shape:
             raise ValueError(f"labels shape {self.labels.shape} != input_ids shape {self.input_ids.shape}")
+        if self.pixel_values is not None and len(self.pixel_values) != len(self.input_ids):
+            raise ValueError(f"{len(self.pixel_values)} pixel_values rows for {len(self.input_ids)} token rows")
+
+    @property
+    def columns(self) -> List[str]:
+        """Names of a batch's arrays, in order."""
+        return ["input_ids", "labels"] + (["pixel_values"] if self.pixel_values is not None else [])
+
+    def rows(self, index: np.ndarray) -> Tuple[np.ndarray, ...]:
+        """The examples at ``index`` as a batch: int32 token arrays (and float32 pixels)."""
+        batch = (self.input_ids[index].astype(np.int32), self.labels[index].astype(np.int32))
+        if self.pixel_values is None:
+            return batch
+        return batch + (np.asarray(self.pixel_values[index], np.float32),)
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
 
 class BatchLoader:
-    """Batches of (input_ids, labels) int32 [batch_size, S] for one data-parallel rank.
+    """Batches (``TokenDataset.rows``: input_ids, labels int32 [batch_size, S], …) for one data-parallel rank.
 
     Args:
         data: the examples.
@@ -73,13 +92,12 @@ class BatchLoader:
         self._cached = (epoch, mine)
         return mine
 
-    def batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+    def batch(self, step: int) -> Tuple[np.ndarray, ...]:
         """The batch of global step ``step`` (epochs follow one another)."""
         epoch, i = divmod(step, self.steps_per_epoch)
-        idx = self.order(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
-        return (self.data.input_ids[idx].astype(np.int32), self.data.labels[idx].astype(np.int32))
+        return self.data.rows(self.order(epoch)[i * self.batch_size:(i + 1) * self.batch_size])
 
-    def iterate(self, start_step: int = 0, stop_step: Optional[int] = None) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    def iterate(self, start_step: int = 0, stop_step: Optional[int] = None) -> Iterator[Tuple[np.ndarray, ...]]:
         """Batches for steps [start_step, stop_step): a resumed run continues exactly."""
         step = start_step
         while stop_step is None or step < stop_step:
@@ -93,7 +111,7 @@ class _StepSource:
     def __init__(self, loader: BatchLoader, steps: int):
         self.loader, self.steps = loader, steps
 
-    def __getitem__(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+    def __getitem__(self, step: int) -> Tuple[np.ndarray, ...]:
         return self.loader.batch(step)
 
     def __len__(self) -> int:
@@ -102,7 +120,7 @@ class _StepSource:
 
 def mindspore_dataset(loader: BatchLoader, steps: int, start_step: int = 0, workers: int = 1):
     """The loader's batches for steps [start_step, steps) as a MindSpore dataset
-    (``input_ids``, ``labels``: int32 [batch, seq]), fixed shapes for graph mode.
+    (``input_ids``, ``labels``: int32 [batch, seq], and ``pixel_values``), fixed shapes for graph mode.
 
     Resuming is ``set_init_step``: batches are computed by index, so nothing before
     ``start_step`` is read, and step k's batch is the same whatever the start or worker count.
@@ -110,7 +128,7 @@ def mindspore_dataset(loader: BatchLoader, steps: int, start_step: int = 0, work
     import mindspore.dataset as msd
     if not 0 <= start_step <= steps:
         raise ValueError(f"start_step={start_step} must be in [0, steps={steps}]")
-    dataset = msd.GeneratorDataset(_StepSource(loader, steps), ["input_ids", "labels"], shuffle=False,
+    dataset = msd.GeneratorDataset(_StepSource(loader, steps), loader.data.columns, shuffle=False,
                                    num_parallel_workers=workers, python_multiprocessing=False)
     dataset.set_init_step(start_step)
     return dataset

@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from typing import List, Optional, Sequence, Tuple
@@ -31,6 +29,7 @@ from tqdm import tqdm
 
 from mindqwen.data.loader import IGNORE_INDEX
 from mindqwen.data.tokenizer import load_tokenizer
+from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.textfile import iter_lines
 
 KINDS = ("text", "sft")
@@ -242,20 +241,11 @@ def _map(chunks, init, workers: int):
 
 
 def _write(output: str, ids: np.ndarray, labels: np.ndarray, manifest: dict) -> None:
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(output):
-        raise FileExistsError(f"{output} exists; not overwriting it")
-    staging = tempfile.mkdtemp(prefix=".preprocess-", dir=parent)
-    try:
+    with atomic_folder(output, replace=False) as staging:
         np.save(os.path.join(staging, "input_ids.npy"), ids)
         np.save(os.path.join(staging, "labels.npy"), labels)
         with open(os.path.join(staging, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
-        os.rename(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def load_packed(folder: str, mmap: bool = True):

@@ -31,6 +31,7 @@ from mindspore import Tensor
 
 from mindqwen.config import QwenConfig
 from mindqwen.export import lite
+from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.lora import lora_layers
 from mindqwen.models.kv_cache import INPUT_NAMES, OUTPUT_NAMES, CachedStep, CacheLayout
@@ -111,20 +112,13 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
     for path in tokenizer_files:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: tokenizer file not found")
-    parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    with atomic_folder(folder) as staging:
         manifest = _write(model, staging, list(batch_sizes), max_seq_len, buckets, dtype, target,
                           precision_mode, tokenizer_files, generation or {})
         if parity:
             report = check_parity(model, staging, manifest)
             if not report["passed"]:
                 raise RuntimeError(f"exported graphs disagree with the eager model: {json.dumps(report)}")
-        _replace_folder(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -263,14 +257,3 @@ def _compare(model, prompts, tokens, logits) -> Dict[str, object]:
     finally:
         ms.set_context(mode=mode)
     return {"tokens_identical": same, "max_abs_logit_diff": diff}
-
-
-def _replace_folder(staging: str, folder: str) -> None:
-    """Move ``staging`` to ``folder``; an existing export there is replaced only at the end."""
-    if os.path.exists(folder):
-        old = tempfile.mkdtemp(prefix=".old-export-", dir=os.path.dirname(os.path.abspath(folder)))
-        os.replace(folder, os.path.join(old, "x"))
-        os.replace(staging, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, folder)

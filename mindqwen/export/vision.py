@@ -14,15 +14,14 @@ that takes the vision tokens as an input is the next step (docs/multimodal.md).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from typing import Optional, Sequence
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from mindqwen.export.mindir import _replace_folder, export_model
+from mindqwen.export.mindir import export_model
+from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.jsonfile import read_json, write_json
 from mindqwen.lora import lora_layers
 from mindqwen.multimodal.data import IMAGENET_MEAN, IMAGENET_STD
@@ -101,17 +100,10 @@ def export_multimodal(model, folder: str, batch_sizes: Sequence[int] = (1,), max
                       tokenizer_files: Sequence[str] = ()) -> dict:
     """``folder``/lm (the LM export, with its parity report) and ``folder``/vision.mindir; staged
     beside ``folder`` and renamed into place, so a failure leaves any earlier export as it was."""
-    parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    try:
+    with atomic_folder(folder) as staging:
         export_model(model.lm, os.path.join(staging, "lm"), batch_sizes, max_seq_len, seq_buckets, dtype, target,
                      precision_mode, tokenizer_files)
         vision = export_vision(model, staging)
-        _replace_folder(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     lm_parity = read_json(os.path.join(folder, "lm", "parity.json"), RuntimeError, "LM parity report")
     print(f"exported {folder}: lm/ (prefill + decode MindIR, lite/), vision.mindir; vision graph vs eager: "
           f"{vision['parity']['vs_unmerged_model']:.1e}", flush=True)

@@ -14,7 +14,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from mindqwen.models.hf_keys import FUSIONS, MAPS, inverse, rename, unfuse
+from mindqwen.io.convert import inverse, rename, unfuse
+from mindqwen.io.key_maps import FUSIONS, MAPS
 
 PEFT_PREFIX = "base_model.model."
 _SUFFIX = {"mindformers": (".lora_a", ".lora_b"), "mindformers-mcore": (".lora_A.weight", ".lora_B.weight")}

@@ -12,16 +12,17 @@ Safetensors sources stream tensor by tensor; a ``.ckpt`` source is read whole by
 from __future__ import annotations
 
 import os
+import re
 from functools import partial
-from typing import Dict, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
 from mindqwen.config import QwenConfig
-from mindqwen.io.hf import DTYPES, no_init_parameters, open_checkpoint, sanitize, save_tensors
+from mindqwen.io.hf import DTYPES, open_checkpoint, sanitize, save_tensors
 from mindqwen.io.atomic import atomic_file
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, check_finite, save_file
-from mindqwen.models.hf_keys import MAPS, from_format, part_rows, to_format
+from mindqwen.io.key_maps import FUSIONS, MAPS
 
 FORMATS = ("hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
@@ -101,9 +102,7 @@ def _config(path: str) -> QwenConfig:
 
 def check_against_config(state: Dict[str, LazyTensor], cfg: QwenConfig, source: str) -> None:
     """Every parameter of the model ``cfg`` describes is present with its shape, and nothing else."""
-    from mindqwen.models.qwen import QwenForCausalLM
-    with no_init_parameters():
-        expected = {p.name: tuple(p.shape) for p in QwenForCausalLM(cfg).get_parameters()}
+    expected = cfg.tensor_shapes()
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         raise CheckpointError(f"{source}: missing {missing[:6]}{' …' if len(missing) > 6 else ''}; "
@@ -134,11 +133,10 @@ def write_file(path: str, state: Dict[str, LazyTensor], bf16: bool) -> None:
         ms.save_checkpoint(tensors, tmp)
 
 
-def load_model(source: str, fmt: str = "hf", config: Optional[str] = None, qkv: Optional[str] = None,
-               mlp: Optional[str] = None, allow_non_finite: bool = False):
-    """A ``QwenForCausalLM`` from a checkpoint in any supported format (checked like ``convert``)."""
-    import mindspore as ms
-    from mindqwen.models.qwen import QwenForCausalLM
+def read_checkpoint(source: str, fmt: str = "hf", config: Optional[str] = None, qkv: Optional[str] = None,
+                    mlp: Optional[str] = None, allow_non_finite: bool = False) -> Tuple[QwenConfig, Dict[str, LazyTensor]]:
+    """The config and the HF-named lazy tensors of a checkpoint in any supported format, checked
+    like ``convert`` (``QwenForCausalLM.from_checkpoint`` builds the model from them)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     cfg = _config(source if config is None else config)
@@ -148,8 +146,122 @@ def load_model(source: str, fmt: str = "hf", config: Optional[str] = None, qkv: 
         state = from_format(state, fmt, cfg.num_key_value_heads, rows, qkv, mlp)
     state = {k: state[k] for k in sanitize(list(state), cfg)}
     check_against_config(state, cfg, source)
-    with no_init_parameters():
-        model = QwenForCausalLM(cfg)
-    for p in model.get_parameters():
-        p.set_data(ms.Tensor(state[p.name].load()).astype(p.dtype))
-    return model
+    return cfg, state
+
+
+# ---------------------------------------------------------------- renaming and fused layouts
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)") + "$")
+
+
+def rename(keys: List[str], mapping: Dict[str, str]) -> Dict[str, str]:
+    """key → renamed key under ``mapping`` (templates); raises naming the keys no template matches."""
+    compiled = [(_pattern(src), dst) for src, dst in mapping.items()]
+    out, unmatched = {}, []
+    for key in keys:
+        for pattern, dst in compiled:
+            m = pattern.match(key)
+            if m:
+                out[key] = dst.format(**m.groupdict())
+                break
+        else:
+            unmatched.append(key)
+    if unmatched:
+        raise KeyError(f"{len(unmatched)} key(s) match no name map entry: {', '.join(unmatched[:6])}")
+    return out
+
+
+def inverse(mapping: Dict[str, str]) -> Dict[str, str]:
+    return {dst: src for src, dst in mapping.items()}
+
+
+def fuse(parts: List[np.ndarray], kind: str, groups: int, interleaved: bool) -> np.ndarray:
+    """Concatenate along rows: contiguous, or interleaved per group (q/k/v: KV heads; gate/up: rows)."""
+    if not interleaved:
+        return np.concatenate(parts, 0)
+    if kind == "mlp":
+        groups = parts[0].shape[0]
+    split = [p.reshape((groups, -1) + p.shape[1:]) for p in parts]  # (G, rows per group, …)
+    return np.concatenate(split, 1).reshape((-1,) + parts[0].shape[1:])
+
+
+def unfuse(fused: np.ndarray, sizes: List[int], kind: str, groups: int, interleaved: bool) -> List[np.ndarray]:
+    """Inverse of ``fuse``; ``sizes`` are the parts' row counts."""
+    if not interleaved:
+        return np.split(fused, np.cumsum(sizes)[:-1], 0)
+    if kind == "mlp":
+        groups = sizes[0]
+    grouped = fused.reshape((groups, -1) + fused.shape[1:])
+    per_group = [s // groups for s in sizes]
+    pieces = np.split(grouped, np.cumsum(per_group)[:-1], 1)
+    return [p.reshape((-1,) + fused.shape[1:]) for p in pieces]
+
+
+LAYOUTS = (None, "contiguous", "interleaved")  # None: not fused
+
+
+def to_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, qkv: Optional[str] = None,
+              mlp: Optional[str] = None) -> Dict[str, LazyTensor]:
+    """HF state → ``fmt`` (mindformers | mindformers-mcore); ``qkv`` / ``mlp`` fuse those
+    projections with a layout (contiguous | interleaved), None keeps them apart. Lazy: a fused
+    tensor reads its parts only when it is loaded."""
+    if fmt not in MAPS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; known: {', '.join(MAPS)}")
+    layouts = _layouts(qkv, mlp)
+    names = rename(list(state), MAPS[fmt])
+    out = {names[k]: v for k, v in state.items()}
+    for fused, parts, kind in FUSIONS[fmt]:
+        if layouts[kind] is None:
+            continue
+        for match in _instances(out, parts[0]):
+            members = [out.pop(p.format(**match)) for p in parts]
+            shape = (sum(m.shape[0] for m in members),) + tuple(members[0].shape[1:])
+            out[fused.format(**match)] = LazyTensor(shape, members[0].dtype, partial(
+                lambda ms_, k, il: fuse([m.load() for m in ms_], k, num_kv_heads, il),
+                members, kind, layouts[kind] == "interleaved"))
+    return out
+
+
+def from_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, rows: Dict[str, List[int]],
+                qkv: Optional[str] = None, mlp: Optional[str] = None) -> Dict[str, LazyTensor]:
+    """``fmt`` state → HF. Fused tensors present are split with their layout; ``rows`` gives the
+    parts' row counts (``part_rows``)."""
+    if fmt not in MAPS:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; known: {', '.join(MAPS)}")
+    layouts = _layouts(qkv, mlp)
+    out = dict(state)
+    for fused, parts, kind in FUSIONS[fmt]:
+        for match in _instances(out, fused):
+            if layouts[kind] is None:
+                raise ValueError(f"{fused.format(**match)} is fused: give its layout ({kind}=contiguous|interleaved)")
+            whole = out.pop(fused.format(**match))
+            if whole.shape[0] != sum(rows[kind]):
+                raise ValueError(f"{fused.format(**match)} has {whole.shape[0]} rows, the config implies {sum(rows[kind])}")
+            for j, p in enumerate(parts):
+                out[p.format(**match)] = LazyTensor((rows[kind][j],) + tuple(whole.shape[1:]), whole.dtype, partial(
+                    lambda t, k, il, j_: unfuse(t.load(), rows[k], k, num_kv_heads, il)[j_],
+                    whole, kind, layouts[kind] == "interleaved", j))
+    names = rename(list(out), inverse(MAPS[fmt]))
+    return {names[k]: v for k, v in out.items()}
+
+
+def lazy(arrays: Mapping[str, np.ndarray]) -> Dict[str, LazyTensor]:
+    """In-memory arrays as lazy tensors."""
+    return {k: LazyTensor(tuple(a.shape), a.dtype, partial(lambda x: x, a)) for k, a in arrays.items()}
+
+
+def _layouts(qkv: Optional[str], mlp: Optional[str]) -> Dict[str, Optional[str]]:
+    for name, value in (("qkv", qkv), ("mlp", mlp)):
+        if value not in LAYOUTS:
+            raise ValueError(f"{name} layout must be contiguous, interleaved or None, got {value!r}")
+    return {"qkv": qkv, "mlp": mlp}
+
+
+def _instances(state: Dict[str, np.ndarray], template: str) -> List[Dict[str, str]]:
+    pattern = _pattern(template)
+    return [m.groupdict() for m in (pattern.match(k) for k in list(state)) if m]
+
+
+def part_rows(num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int) -> Dict[str, List[int]]:
+    return {"qkv": [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            "mlp": [intermediate, intermediate]}

@@ -1,4 +1,4 @@
-"""HF checkpoint folders ⇄ ``QwenForCausalLM``.
+"""HF checkpoint folders ⇄ model parameters (``QwenForCausalLM.from_pretrained`` builds on it).
 
 A folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Since mindqwen parameter names equal HF names, loading is the
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
@@ -18,9 +17,9 @@ import numpy as np
 from tqdm import tqdm
 
 from mindqwen.config import QwenConfig
+from mindqwen.io.atomic import staged_files
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
-from mindqwen.models.qwen import QwenForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -110,30 +109,16 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
     return missing, unexpected
 
 
-def from_pretrained(folder: str, dtype: str = "float32", allow_non_finite: bool = False) -> QwenForCausalLM:
-    """Build a ``QwenForCausalLM`` from an HF folder (config.json + safetensors).
-
-    Args:
-        folder: HF checkpoint folder (single file or sharded with an index).
-        dtype: parameter dtype: "float32", "float16" or "bfloat16" (not on CPU, which has no
-            bf16 kernels). bf16 files widen to fp32 exactly.
-        allow_non_finite: load tensors holding NaN or inf (else ``CheckpointError`` naming them).
-    """
-    if dtype not in DTYPES:
+def check_dtype(dtype: Optional[str], device_target: Optional[str] = None) -> None:
+    """A parameter dtype name this device computes in (bf16 has no CPU kernels)."""
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if dtype == "bfloat16" and ms.get_context("device_target") == "CPU":
+    if dtype == "bfloat16" and device_target == "CPU":
         raise ValueError("dtype='bfloat16' cannot compute on CPU (MindSpore has no bf16 CPU "
                          "kernels); load with dtype='float32'")
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"{folder}: checkpoint folder not found")
-    config = QwenConfig.from_hf(folder)
-    with no_init_parameters():
-        model = QwenForCausalLM(config, dtype=DTYPES[dtype][0])
-    load_weights(model, folder, allow_non_finite=allow_non_finite)
-    return model
 
 
-def save_pretrained(model: QwenForCausalLM, folder: str, dtype: Optional[str] = None,
+def save_pretrained(model: ms.nn.Cell, folder: str, dtype: Optional[str] = None,
                     max_shard_size: str = "5GB") -> None:
     """Write ``model`` as an HF folder: config.json and safetensors, sharded above the limit.
 
@@ -144,8 +129,7 @@ def save_pretrained(model: QwenForCausalLM, folder: str, dtype: Optional[str] = 
         dtype: stored dtype ("float32", "float16", "bfloat16"); default: the parameters' dtype.
         max_shard_size: e.g. "5GB", "200MB" or a byte count.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     lora = [p.name for p in model.get_parameters() if ".lora_" in p.name]
     if lora:  # an HF folder has no place for them: transformers would load the base model silently
         raise ValueError(f"the model has LoRA adapters ({lora[0]}, …): save_adapter(model, folder) writes them "
@@ -168,10 +152,7 @@ def save_tensors(folder: str, tensors: Dict[str, LazyTensor], hf_config: dict, d
             size = 0
         shards[-1][name] = t
         size += nbytes
-    os.makedirs(folder, exist_ok=True)
-    stage = os.path.join(folder, f".tmp-save-{os.getpid()}")
-    os.makedirs(stage, exist_ok=True)
-    try:
+    with staged_files(folder) as (stage, written):
         hf_config = dict(hf_config, torch_dtype=dtype or _dtype_name(next(iter(tensors.values())).dtype))
         _write_json(os.path.join(stage, "config.json"), hf_config)
         names = ([SINGLE_FILE] if len(shards) == 1 else
@@ -184,16 +165,12 @@ def save_tensors(folder: str, tensors: Dict[str, LazyTensor], hf_config: dict, d
             weight_map = {k: n for n, shard in zip(names, shards) for k in shard}
             _write_json(os.path.join(stage, INDEX_FILE),
                         {"metadata": {"total_size": total}, "weight_map": weight_map})
-        written = names + ["config.json"] + ([INDEX_FILE] if len(shards) > 1 else [])
+        written += names + ["config.json"] + ([INDEX_FILE] if len(shards) > 1 else [])  # the index lands last
         stale = [SINGLE_FILE, INDEX_FILE] + [n for n in os.listdir(folder)
                                              if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)]
         for name in stale:  # a previous save in another layout must not shadow this one
             if os.path.exists(os.path.join(folder, name)) and name not in written:
                 os.remove(os.path.join(folder, name))
-        for name in written:  # the index (or the single file) lands last
-            os.replace(os.path.join(stage, name), os.path.join(folder, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _state(model: ms.nn.Cell):

@@ -11,6 +11,7 @@ they do not exist, the hand-written path is used.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mindspore as ms
@@ -20,6 +21,8 @@ from mindspore.common.initializer import Normal, initializer
 
 from mindqwen import backend
 from mindqwen.config import QwenConfig
+from mindqwen.io import convert, hf
+from mindqwen.io.safetensors import CheckpointError
 
 # Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
 # then softmaxes to a uniform row instead of NaN.
@@ -490,15 +493,42 @@ class QwenForCausalLM(nn.Cell):
     @classmethod
     def from_pretrained(cls, folder: str, dtype: str = "float32",
                         allow_non_finite: bool = False) -> "QwenForCausalLM":
-        """The model of an HF folder (config.json + safetensors): ``mindqwen.from_pretrained``."""
-        from mindqwen.io.hf import from_pretrained
-        return from_pretrained(folder, dtype, allow_non_finite)
+        """Build the model of an HF folder (config.json + safetensors, single or sharded).
+
+        Args:
+            dtype: parameter dtype: "float32", "float16" or "bfloat16" (not on CPU, which has no
+                bf16 kernels). bf16 files widen to fp32 exactly.
+            allow_non_finite: load tensors holding NaN or inf (else ``CheckpointError`` naming them).
+        """
+        hf.check_dtype(dtype, ms.get_context("device_target"))
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"{folder}: checkpoint folder not found")
+        config = QwenConfig.from_hf(folder)
+        with hf.no_init_parameters():  # the checkpoint replaces every weight: one copy in RAM
+            model = cls(config, dtype=hf.DTYPES[dtype][0])
+        hf.load_weights(model, folder, allow_non_finite=allow_non_finite)
+        return model
+
+    @classmethod
+    def from_checkpoint(cls, source: str, fmt: str = "hf", config: Optional[str] = None, qkv: Optional[str] = None,
+                        mlp: Optional[str] = None, allow_non_finite: bool = False) -> "QwenForCausalLM":
+        """Build the model of a checkpoint in any format ``mindqwen convert`` reads (an HF folder,
+        a ``.ckpt``, mindformers' legacy or Mcore names, fused or not; ``config``: the HF folder
+        or config.json when ``source`` has none; ``qkv`` / ``mlp``: fused layouts)."""
+        cfg, state = convert.read_checkpoint(source, fmt, config, qkv, mlp, allow_non_finite)
+        with hf.no_init_parameters():
+            model = cls(cfg)
+        for p in model.get_parameters():
+            p.set_data(Tensor(state[p.name].load()).astype(p.dtype))
+        return model
 
     def save_pretrained(self, folder: str, dtype: Optional[str] = None,
                         max_shard_size: str = "5GB") -> None:
         """Write an HF folder (config.json + safetensors) that transformers loads unchanged."""
-        from mindqwen.io.hf import save_pretrained
-        save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size)
+        hf.save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size)
+
+
+from_pretrained = QwenForCausalLM.from_pretrained  # mindqwen.from_pretrained
 
 
 def set_document_boundaries(model: QwenForCausalLM, eos_token_id: Optional[int]) -> None:

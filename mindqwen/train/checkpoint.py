@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import nn
 
 from mindqwen.io.jsonfile import read_json
+from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, check_finite, is_finite, save_file
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -69,19 +70,15 @@ def save(output_dir: str, step: int, model: nn.Cell, optimizer: nn.Optimizer,
     os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step_{step:08d}")
     for stale in os.listdir(root):  # left by a process killed while saving
-        if stale.startswith(".step_") and ".tmp-" in stale:
+        if stale.startswith(".step_") and (".tmp-" in stale or ".old-" in stale):
             shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
-    tmp = os.path.join(root, f".step_{step:08d}.tmp-{os.getpid()}")
-    os.makedirs(tmp)
-    save_file(params, os.path.join(tmp, MODEL_FILE))
-    save_file({_scaler_key(p, scaler): p.asnumpy() for p in optimizer_state(optimizer, scaler)},
-              os.path.join(tmp, OPTIM_FILE))
-    _write_synced(os.path.join(tmp, STATE_FILE), json.dumps({**state, "step": step}, indent=2))
-    if recipe_text is not None:
-        _write_synced(os.path.join(tmp, RECIPE_FILE), recipe_text)
-    if os.path.exists(final):  # re-saving a step (e.g. the final save after a periodic one)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    with atomic_folder(final) as tmp:  # re-saving a step (the final save after a periodic one) replaces it
+        save_file(params, os.path.join(tmp, MODEL_FILE))
+        save_file({_scaler_key(p, scaler): p.asnumpy() for p in optimizer_state(optimizer, scaler)},
+                  os.path.join(tmp, OPTIM_FILE))
+        _write_synced(os.path.join(tmp, STATE_FILE), json.dumps({**state, "step": step}, indent=2))
+        if recipe_text is not None:
+            _write_synced(os.path.join(tmp, RECIPE_FILE), recipe_text)
     _fsync_dir(root)
     for old in complete_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from mindqwen.data.loader import BatchLoader, TokenDataset
 from mindqwen.lora import save_adapter
+from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.train import checkpoint
 from mindqwen.train.compile_cache import compile_cache, graph_key
 from mindqwen.train.config import TrainerConfig
@@ -23,7 +24,7 @@ from mindqwen.train.metrics import (MetricsLog, measure_matmul_peak_gflops, peak
 from mindqwen.train.optim import WarmupSchedule, make_optimizer
 from mindqwen.train.precision import PrecisionConfig, apply_precision, make_loss_scaler
 from mindqwen.train.recompute import apply_recompute
-from mindqwen.train.step import Stepper
+from mindqwen.train.step import CausalLMLoss, Stepper
 
 
 class TrainingDiverged(RuntimeError):
@@ -32,26 +33,32 @@ class TrainingDiverged(RuntimeError):
 
 def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
         eval_data: Optional[TokenDataset] = None, recipe_text: Optional[str] = None,
-        parallel: Optional[ParallelConfig] = None) -> dict:
+        parallel: Optional[ParallelConfig] = None, loss_net: Optional[nn.Cell] = None) -> dict:
     """Train ``model`` (its trainable parameters: LoRA or all) in graph mode.
 
     Writes ``metrics.jsonl``, checkpoints (``checkpoints/step_*``), ``loss_curve.png`` and, at
-    the end, ``adapter/`` (PEFT format, LoRA) or ``model/`` (HF format, full fine-tune) into
-    ``config.output_dir``. Returns a summary (final loss, eval loss, steps, overflow count).
-    The caller's execution mode (graph or PyNative) is restored on return.
+    the end, ``adapter/`` (PEFT format, LoRA) or ``model/`` (HF format, full fine-tune; a model
+    without ``save_pretrained`` keeps its checkpoint) into ``config.output_dir``. Returns a
+    summary (final loss, eval loss, steps, overflow count). The caller's execution mode (graph
+    or PyNative) is restored on return.
+
+    Args:
+        loss_net: takes a batch (``TokenDataset.rows``) and returns the loss; default
+            ``model(input_ids, None, labels)``. A multimodal model trains with its caption loss
+            over (input_ids, labels, pixel_values).
 
     Raises:
         TrainingDiverged: see ``divergence`` (docs/training.md, "Divergence").
     """
     mode = ms.get_context("mode")
     try:
-        return _fit(model, train_data, config, eval_data, recipe_text, parallel)
+        return _fit(model, train_data, config, eval_data, recipe_text, parallel, loss_net or CausalLMLoss(model))
     finally:
         ms.set_context(mode=mode)
 
 
 def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_data: Optional[TokenDataset],
-         recipe_text: Optional[str], parallel: Optional[ParallelConfig]) -> dict:
+         recipe_text: Optional[str], parallel: Optional[ParallelConfig], loss_net: nn.Cell) -> dict:
     # 1. set-up: mode, seed, ranks, precision, recompute, optimizer, step Cells
     ms.set_context(mode=ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE)
     ms.set_seed(config.seed)
@@ -69,7 +76,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     scaler = make_loss_scaler(config.precision)
     dynamic = config.precision.uses_loss_scaling
     stepper = Stepper(model, optimizer, scaler, config.gradient_accumulation, config.clip_norm, dynamic, world,
-                      parallel)
+                      parallel, loss_net)
     model.set_train(True)
 
     # 2. resume
@@ -86,12 +93,13 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     seq = train_data.input_ids.shape[1]
     tokens = mb * config.gradient_accumulation * seq  # per rank and step
     trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
-    step_flops = train_flops_per_token(model.config, seq, trainable) * tokens
-    peak_flops = measure_matmul_peak_gflops() * 1e9
+    # MFU counts a causal LM's matmuls; other networks (a fused multimodal model) report none
+    step_flops = train_flops_per_token(model.config, seq, trainable) * tokens if isinstance(model, QwenForCausalLM) else None
+    peak_flops = measure_matmul_peak_gflops() * 1e9 if step_flops else None
     cache = None
     if config.compile_cache:  # one folder per distinct set of graphs (see compile_cache.py)
-        shapes = {"train": list(train_data.input_ids.shape[1:]), "world": world, "parallel": repr(parallel),
-                  "eval": None if eval_data is None else list(eval_data.input_ids.shape[1:])}
+        shapes = {"train": _shapes(train_data), "world": world, "parallel": repr(parallel),
+                  "eval": None if eval_data is None else _shapes(eval_data), "loss": type(loss_net).__name__}
         cache = os.path.join(config.compile_cache, graph_key(model, asdict(config), shapes))
     streak = updated = 0  # overflowed steps in a row; steps of this run that updated the model
     scale = float(scaler.scale_value.asnumpy())  # the scale the next step uses (each record has it after)
@@ -99,8 +107,8 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
         record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
                                desc="training", unit="step", disable=not (config.progress and main))
         for step in bar:
-            ids, labels = loader.batch(step)
-            batches = [(ms.Tensor(ids[i:i + mb]), ms.Tensor(labels[i:i + mb])) for i in range(0, len(ids), mb)]
+            batch = loader.batch(step)
+            batches = [tuple(ms.Tensor(a[i:i + mb]) for a in batch) for i in range(0, len(batch[0]), mb)]
             lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
             t = time.perf_counter()
             try:
@@ -115,7 +123,8 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
                       "grad_norm": norm, "loss_scale": float(scaler.scale_value.asnumpy()),
                       "overflow": not finite, "overflow_count": state["overflow_count"],
                       "tokens_per_s": tokens * world / seconds, "step_s": seconds,
-                      "mfu": step_flops / seconds / peak_flops, "peak_memory_mb": peak_memory_mb()}
+                      "mfu": step_flops / seconds / peak_flops if step_flops else None,
+                      "peak_memory_mb": peak_memory_mb()}
             reason = divergence(loss, finite, norm, scale, streak, updated, last, config.precision, dynamic)
             scale = record["loss_scale"]
             if reason:
@@ -123,7 +132,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
                 raise TrainingDiverged(f"step {step + 1}: {reason}; last good checkpoint: "
                                        f"{last_ckpt or 'none (nothing to resume from)'}")
             if eval_data is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
-                record["eval_loss"] = evaluate(model, eval_data, mb, config.eval_batches)
+                record["eval_loss"] = evaluate(loss_net, eval_data, mb, config.eval_batches)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
             log.write(record)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -143,7 +152,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
         if getattr(model, "lora_config", None) is not None:
             outputs["adapter"] = os.path.join(config.output_dir, "adapter")
             save_adapter(model, outputs["adapter"])
-        else:
+        elif hasattr(model, "save_pretrained"):
             outputs["model"] = os.path.join(config.output_dir, "model")
             model.save_pretrained(outputs["model"])
         outputs["loss_curve"] = plot_loss_curve(log.read(), os.path.join(config.output_dir, "loss_curve.png"))
@@ -178,13 +187,19 @@ def divergence(loss: float, finite: bool, norm: float, scale: float, streak: int
 
 
 def evaluate(model: nn.Cell, data: TokenDataset, batch_size: int, max_batches: int = 0) -> float:
-    """Mean validation loss over ``data`` (in order, no shuffle)."""
+    """Mean validation loss over ``data`` (in order, no shuffle); ``model`` is a causal LM or a
+    loss network (``fit``'s ``loss_net``)."""
+    loss_net = CausalLMLoss(model) if isinstance(model, QwenForCausalLM) else model
     loader = BatchLoader(data, batch_size, shuffle=False)
     n = loader.steps_per_epoch if max_batches <= 0 else min(max_batches, loader.steps_per_epoch)
-    model.set_train(False)
-    losses = [float(model(ms.Tensor(ids), None, ms.Tensor(labels)).asnumpy()) for ids, labels in loader.iterate(0, n)]
-    model.set_train(True)
+    loss_net.set_train(False)
+    losses = [float(loss_net(*map(ms.Tensor, batch)).asnumpy()) for batch in loader.iterate(0, n)]
+    loss_net.set_train(True)
     return float(np.mean(losses))
+
+
+def _shapes(data: TokenDataset) -> list:
+    return [list(a.shape[1:]) for a in data.rows(np.arange(1))]
 
 
 def explain_out_of_memory(error: RuntimeError, config: TrainerConfig) -> RuntimeError:

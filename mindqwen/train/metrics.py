@@ -1,6 +1,7 @@
 """Training metrics: metrics.jsonl per step, a progress bar, throughput, MFU, the loss-curve PNG."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -37,16 +38,20 @@ def train_flops_per_token(config: QwenConfig, seq_len: int, trainable_fraction: 
     return (4 + 2 * trainable_fraction) * n + 3 * attention
 
 
+@ms.jit
+def _matmul(a, b):
+    return ops.matmul(a, b)
+
+
+@functools.lru_cache(maxsize=None)
 def measure_matmul_peak_gflops(sizes=(1024, 2048), repeats: int = 8) -> float:
-    """Best fp32 matmul rate of this machine through MindSpore (the MFU denominator).
+    """Best fp32 matmul rate of this machine through MindSpore (the MFU denominator), measured
+    once per process.
 
     Compiled (``ms.jit``) square matmuls; the best of several sizes and repeats, because a
     shared 2-core machine only shows its ceiling between disturbances.
     """
-    @ms.jit
-    def matmul(a, b):
-        return ops.matmul(a, b)
-
+    matmul = _matmul
     best = 0.0
     for n in sizes:
         a = ms.Tensor(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32))

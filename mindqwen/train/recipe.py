@@ -7,6 +7,7 @@ YAML scalars or flow lists (``lora.target_modules=[q_proj,v_proj]``) and checked
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import importlib.resources
@@ -19,13 +20,13 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from mindqwen.config import QwenConfig
+from mindqwen.generation import GenerationConfig, OutputFilter
 from mindqwen.lora import LoraConfig
-from mindqwen.multimodal.fusion import GroupPolicy, MultimodalLoraConfig
+from mindqwen.multimodal.fusion import MultimodalLoraConfig
 from mindqwen.multimodal.vision import VisionConfig
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.distributed import ParallelConfig
 from mindqwen.train.optim import SCHEDULES
-from mindqwen.train.precision import PrecisionConfig
 
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -167,37 +168,23 @@ class OutputFilterSection:
     action: str = "mask"
 
     def __post_init__(self) -> None:
-        from mindqwen.generation import OutputFilter
         OutputFilter(self.block, self.action)  # raises on a bad action or pattern
 
 
 @dataclass
-class GenerationSection:
-    """Defaults for generation (sample answers, export manifest, ``mindqwen serve``).
+class GenerationSection(GenerationConfig):
+    """``GenerationConfig`` (every field, HF ``generate`` semantics) as the defaults for sample
+    answers, the export manifest and ``mindqwen serve``, with the output filter.
 
     Attributes:
-        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, stop_strings:
-            as in HF ``generate`` (``mindqwen.generation.GenerationConfig``).
         output_filter: block-list applied to generated text while generating and serving.
     """
 
-    max_new_tokens: int = 128
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    stop_strings: List[str] = field(default_factory=list)
     output_filter: OutputFilterSection = field(default_factory=OutputFilterSection)
 
-    def __post_init__(self) -> None:
-        self.config()  # raises on bad values
-
-    def config(self, **overrides):
-        """A ``GenerationConfig`` with these defaults and ``overrides``."""
-        from mindqwen.generation import GenerationConfig
-        fields = {k: getattr(self, k) for k in ("max_new_tokens", "do_sample", "temperature", "top_k",
-                                                "top_p", "repetition_penalty", "stop_strings")}
+    def config(self, **overrides) -> GenerationConfig:
+        """The ``GenerationConfig`` these defaults describe, with ``overrides``."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(GenerationConfig) if f.init}
         return GenerationConfig(**{**fields, **overrides})
 
 
@@ -394,11 +381,6 @@ def _checked_fields(cls, raw: dict, path: str, prefix: str, lines: Dict[str, int
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when PyYAML has it
 MAX_INT = 2 ** 31 - 1  # every integer in a recipe is a count, size, index, port or seed
 
-_SECTIONS = (ModelSection, DataSection, SyntheticSection, PretrainSection, ParallelConfig, ExportSection,
-             LoraConfig, TrainerConfig, PrecisionConfig,
-             GenerationSection, OutputFilterSection, ServeSection,
-             MultimodalSection, ShapesSection, VisionConfig, MultimodalLoraConfig, GroupPolicy)
-MULTIMODAL_SECTIONS = (MultimodalSection, ShapesSection, VisionConfig, MultimodalLoraConfig, GroupPolicy)
 
 
 def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
@@ -416,9 +398,9 @@ def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
         raise errors[-1] if len(options) == 1 else RecipeError(
             f"{_where(path, key, lines)}: {key} must be {' or '.join(_name(o) for o in options)}, "
             f"got {type(value).__name__} {value!r}")
-    if hint in _SECTIONS:
+    if dataclasses.is_dataclass(hint):  # a section: every dataclass field type is one
         return _build(hint, {} if value is None else value, path, key + ".", lines)
-    if origin in (list, List):
+    if origin in (list, List, collections.abc.Sequence):
         if not isinstance(value, list):
             raise RecipeError(f"{_where(path, key, lines)}: {key} must be a list, got {type(value).__name__} {value!r}")
         return [_coerce(args[0], v, path, key, lines) for v in value] if args else value
@@ -443,6 +425,17 @@ def _coerce(hint, value, path: str, key: str, lines: Dict[str, int]):
     if hint is int and not -MAX_INT <= value <= MAX_INT:
         raise RecipeError(f"{_where(path, key, lines)}: {key}={value} is out of range (|value| <= {MAX_INT:,})")
     return value
+
+
+def sections(cls: type = Recipe) -> List[type]:
+    """``cls`` and every section class reachable from its fields (a field whose type is a
+    dataclass is a section), depth first, each once."""
+    found = [cls]
+    for hint in typing.get_type_hints(cls).values():
+        for t in [hint, *typing.get_args(hint)]:
+            if dataclasses.is_dataclass(t) and t not in found:
+                found += [c for c in sections(t) if c not in found]
+    return found
 
 
 def _name(hint) -> str:

@@ -1,9 +1,12 @@
-"""Activation recompute (gradient checkpointing) by layer, from the trainer config."""
+"""Activation recompute (gradient checkpointing) by decoder layer, from the trainer config."""
 from mindspore import nn
+
+from mindqwen.models.qwen import DecoderLayer
 
 
 def apply_recompute(model: nn.Cell, mode: str, every: int = 1) -> int:
-    """Mark decoder layers (or their attention / MLP) for recompute in the backward pass.
+    """Mark the decoder layers of ``model`` (a causal LM, or any Cell holding one, such as a fused
+    multimodal model), or their attention / MLP, for recompute in the backward pass.
 
     Args:
         mode: none | full (the whole layer) | attention | mlp.
@@ -14,11 +17,7 @@ def apply_recompute(model: nn.Cell, mode: str, every: int = 1) -> int:
     """
     if mode == "none":
         return 0
-    marked = 0
-    for i, layer in enumerate(model.model.layers):
-        if i % every:
-            continue
-        target = {"full": layer, "attention": layer.self_attn, "mlp": layer.mlp}[mode]
-        target.recompute()
-        marked += 1
-    return marked
+    layers = [cell for _, cell in model.cells_and_names() if isinstance(cell, DecoderLayer)]
+    for layer in layers[::every]:
+        {"full": layer, "attention": layer.self_attn, "mlp": layer.mlp}[mode].recompute()
+    return len(layers[::every])

@@ -13,19 +13,18 @@ from typing import Optional
 import mindspore as ms
 
 from mindqwen import backend
-from mindqwen.config import QwenConfig
 from mindqwen.data.instruct import write_pairs
 from mindqwen.data.sources import load_pretrain, load_split
 from mindqwen.data.synthetic import make_demo_data
 from mindqwen.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 from mindqwen.evaluate import exact_match
 from mindqwen.export import export_model
-from mindqwen.io.hf import from_pretrained
 from mindqwen.io.jsonfile import write_json
-from mindqwen.lora import apply_lora
+from mindqwen.lora import apply_lora, load_adapter
 from mindqwen.models.qwen import QwenForCausalLM, set_document_boundaries
 from mindqwen.train.loop import fit
-from mindqwen.train.recipe import DataSection, ModelSection, Recipe
+from mindqwen.train.model import build_model
+from mindqwen.train.recipe import DataSection, Recipe
 from mindqwen.train.validate import check_recipe
 
 SAMPLES = 4  # generated answers printed and kept in the summary
@@ -45,17 +44,6 @@ def materialise_synthetic(data: DataSection, folder: str) -> DataSection:
                                tokenizer=tokenizer, synthetic=None)
 
 
-def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
-    """From an HF checkpoint, or random weights of a preset / explicit config (``config`` overrides)."""
-    if section.checkpoint:
-        return from_pretrained(section.checkpoint, section.dtype)
-    overrides = dict(section.config)
-    if vocab_size is not None:
-        overrides.setdefault("vocab_size", vocab_size)
-    config = QwenConfig.from_preset(section.preset, **overrides) if section.preset else QwenConfig(**overrides)
-    return QwenForCausalLM(config, getattr(ms, section.dtype))
-
-
 def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None, source: str = "recipe") -> dict:
     """Check ``recipe`` as ``mindqwen validate`` does, then run it; returns (and writes as
     ``summary.json``) its figures and output paths. ``source`` names the recipe in errors."""
@@ -63,7 +51,7 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None, source: str 
     if recipe.trainer.compile_cache:  # MindSpore cannot cache fused graphs (train/compile_cache.py)
         backend.disable_cpu_fusion()
     if recipe.multimodal is not None:
-        from mindqwen.multimodal.run import train_multimodal_recipe
+        from mindqwen.train.run_multimodal import train_multimodal_recipe
         return train_multimodal_recipe(recipe, recipe_text)
     out = recipe.trainer.output_dir
     data = recipe.data
@@ -112,11 +100,40 @@ def train_recipe(recipe: Recipe, recipe_text: Optional[str] = None, source: str 
     return summary
 
 
+def export_recipe(recipe: Recipe, folder: Optional[str] = None) -> dict:
+    """``mindqwen export <recipe>``: export what a finished run of ``recipe`` trained, with its
+    ``export`` and ``generation`` sections, into ``folder`` (default ``<output_dir>/export``)."""
+    folder = folder or os.path.join(recipe.trainer.output_dir, "export")
+    if recipe.multimodal is not None:
+        from mindqwen.train import run_multimodal
+        return run_multimodal.export_recipe_model(run_multimodal.trained_model(recipe), recipe, folder)
+    data = recipe.data
+    if data.synthetic is not None:
+        data = dataclasses.replace(data, tokenizer=os.path.join(recipe.trainer.output_dir, "data", "tokenizer.model"))
+    tokenizer = SentencePieceTokenizer(data.tokenizer) if data.tokenizer else None
+    return export_recipe_model(trained_model(recipe), recipe, data, tokenizer, folder)
+
+
+def trained_model(recipe: Recipe) -> QwenForCausalLM:
+    """The text model a finished run of ``recipe`` left in its output folder: ``model/`` (full
+    fine-tune), or its base (the checkpoint, or ``pretrain/model``) with ``adapter/``."""
+    out = recipe.trainer.output_dir
+    if recipe.lora is None:
+        return QwenForCausalLM.from_pretrained(os.path.join(out, "model"))
+    base = os.path.join(out, "pretrain", "model") if recipe.pretrain is not None else recipe.model.checkpoint
+    if base is None:
+        raise ValueError("this recipe trains LoRA on random weights that no run saves: there is no base model "
+                         "to export (give model.checkpoint, or a pretrain stage)")
+    return load_adapter(QwenForCausalLM.from_pretrained(base, recipe.model.dtype), os.path.join(out, "adapter"))
+
+
 def export_recipe_model(model: QwenForCausalLM, recipe: Recipe, data: DataSection, tokenizer,
                         folder: str) -> dict:
     """Export with the recipe's ``export`` and ``generation`` sections; returns the parity figures."""
     e, g = recipe.export, recipe.generation
     generation = dataclasses.asdict(g)
+    for derived in ("eos_ids", "pad_id"):
+        del generation[derived]
     if tokenizer is not None:
         generation["eos_token_id"] = tokenizer.eos_token_id
     export_model(model, folder, e.batch_sizes, e.max_seq_len, e.seq_buckets, e.dtype, e.soc_version,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from contextlib import nullcontext
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mindspore as ms
 
@@ -25,6 +25,7 @@ from mindqwen.lora import apply_lora
 from mindqwen.models.qwen import Linear, QwenForCausalLM
 from mindqwen.train.distributed import check_model_layout
 from mindqwen.train.precision import check_device_support
+from mindqwen.train.model import model_config
 from mindqwen.train.recipe import Recipe, RecipeError, load_recipe
 
 # A tiny stand-in keeping the architecture's switches (qkv bias, q/k-norm, tying, GQA).
@@ -32,19 +33,20 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             head_dim=16, vocab_size=256, max_position_embeddings=128)
 
 
-def model_config(recipe: Recipe, path: str) -> QwenConfig:
-    """The config the recipe trains: the checkpoint's, else the preset's / explicit one."""
+def recipe_model_config(recipe: Recipe, path: str, vocab_size: Optional[int] = 256) -> QwenConfig:
+    """The config the recipe trains (``mindqwen.train.model.model_config``), errors naming the key.
+
+    Args:
+        vocab_size: the tokenizer's, where neither checkpoint nor section fixes it (the default
+            stands in for a demo tokenizer not trained yet).
+    """
     m = recipe.model
     try:
-        if m.checkpoint:
-            if not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
-                raise RecipeError(f"{path}: model.checkpoint: {m.checkpoint} is not an HF folder (no config.json)")
-            return QwenConfig.from_hf(m.checkpoint)
-        if not m.preset and not m.config:
+        if m.checkpoint and not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
+            raise RecipeError(f"{path}: model.checkpoint: {m.checkpoint} is not an HF folder (no config.json)")
+        if not (m.checkpoint or m.preset or m.config):
             raise RecipeError(f"{path}: model: give checkpoint, preset or config")
-        if m.preset:
-            return QwenConfig.from_preset(m.preset, **m.config)
-        return QwenConfig(**{"vocab_size": 256, **m.config})  # vocab follows the demo's tokenizer
+        return model_config(m, vocab_size)
     except RecipeError:
         raise
     except (ValueError, TypeError, KeyError) as e:
@@ -142,13 +144,13 @@ def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
     the file and key).
     """
     if recipe.multimodal is not None:
-        return validate_multimodal(recipe, path)
+        return validate_multimodal(recipe, path, tiny)
     check_outputs(recipe, path)
     if tiny and recipe.model.checkpoint:
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=None))
         if not (recipe.model.preset or recipe.model.config):
             raise RecipeError(f"{path}: --tiny needs model.preset (the architecture) when model.checkpoint is set")
-    config = model_config(recipe, path)
+    config = recipe_model_config(recipe, path)
     check_numerics(recipe, config, path, None if tiny else ms.get_context("device_target"))
     if tiny:
         if recipe.data.synthetic is None and recipe.data.train is None:
@@ -195,20 +197,39 @@ def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False
     return check_recipe(load_recipe(path, overrides), path, tiny)
 
 
-def validate_multimodal(recipe: Recipe, path: str) -> str:
-    """Build the fused model the recipe trains and apply its group policies (errors name the key)."""
+def multimodal_conflicts(recipe: Recipe) -> List[str]:
+    """Recipe keys a multimodal recipe cannot use, each with the reason."""
+    d, p = recipe.data, recipe.parallel
+    conflicts = {
+        "lora": (recipe.lora is not None, "LoRA is set per group in multimodal.policy"),
+        "pretrain": (recipe.pretrain is not None, "the LM's stage on the captions is multimodal.text_steps"),
+        "data.train / eval / pretrain / tokenizer / synthetic": (
+            any(getattr(d, k) is not None for k in ("train", "eval", "pretrain", "tokenizer", "synthetic")),
+            "multimodal recipes train on multimodal.shapes, which writes its own images, captions and tokenizer"),
+        "data.reset_positions": (d.reset_positions, "a caption row holds one document"),
+        "parallel": (p.devices > 1, "the layouts (data, tensor, pipeline) cover the LM alone, not the vision tower "
+                                    "and cross-attention: multimodal recipes run on one device"),
+    }
+    return [f"{key} ({why})" for key, (used, why) in conflicts.items() if used]
+
+
+def validate_multimodal(recipe: Recipe, path: str, tiny: bool = False) -> str:
+    """Check a multimodal recipe and build the fused model it trains with its group policies."""
     from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
-    from mindqwen.multimodal.run import unsupported_keys
     m = recipe.multimodal
     check_outputs(recipe, path)
-    if unsupported_keys(recipe):
-        raise RecipeError(f"{path}: multimodal recipes do not support {', '.join(unsupported_keys(recipe))} yet")
-    config = QwenConfig(**{"vocab_size": m.shapes.vocab_size + 1, **recipe.model.config})
-    if recipe.data.seq_length > config.max_position_embeddings:
-        raise RecipeError(f"{path}: data.seq_length={recipe.data.seq_length} exceeds model.config."
-                          f"max_position_embeddings={config.max_position_embeddings}")
+    conflicts = multimodal_conflicts(recipe)
+    if conflicts:
+        raise RecipeError(f"{path}: a multimodal recipe cannot use {'; '.join(conflicts)}")
+    config = recipe_model_config(recipe, path, m.shapes.vocab_size + 1)  # + <image>
+    if not recipe.model.checkpoint and config.vocab_size <= m.shapes.vocab_size:
+        raise RecipeError(f"{path}: model.config.vocab_size={config.vocab_size} has no id for the "
+                          f"{m.shapes.vocab_size} caption pieces and <image>")
+    check_numerics(recipe, config, path, None if tiny else ms.get_context("device_target"))
+    with no_init_parameters():  # the LM's shape matters here, not its weights
+        lm = QwenForCausalLM(config)
     try:
-        model = MultimodalQwen(QwenForCausalLM(config), m.vision, m.cross_layers, config.vocab_size - 1)
+        model = MultimodalQwen(lm, m.vision, m.cross_layers, m.shapes.vocab_size)
     except ValueError as e:
         raise RecipeError(f"{path}: multimodal: {e}") from None
     try:
@@ -217,8 +238,11 @@ def validate_multimodal(recipe: Recipe, path: str) -> str:
         raise RecipeError(f"{path}: multimodal.policy: {e}") from None
     counts = trainable_by_group(model)
     groups = ", ".join(f"{g} {getattr(m.policy, g).mode} ({n:,})" for g, n in counts.items())
+    t = recipe.trainer
     return (f"{path}: ok\n"
             f"  model: {config.num_hidden_layers}-layer LM (hidden {config.hidden_size}) + ViT "
             f"{m.vision.num_hidden_layers} layers at {m.vision.image_size}px, cross-attention after layers "
             f"{list(m.cross_layers)}\n"
-            f"  trainable: {groups}")
+            f"  trainable: {groups}\n"
+            f"  training: text {m.text_steps} + vision {m.vision_steps} + fused {t.max_steps} steps, "
+            f"precision {t.precision.level}, recompute {t.recompute}, accumulation {t.gradient_accumulation}")

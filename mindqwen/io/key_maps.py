@@ -1,0 +1,56 @@
+"""Parameter-name maps between HF (= mindqwen) and mindformers' two namings, and their fused
+tensors: data only (``mindqwen.io.convert`` applies them).
+
+Each map lists HF template → foreign template once; ``{i}`` is a layer index and ``{p}`` a
+parameter kind (weight | bias). Reverse maps are derived by inversion. After renaming, q/k/v and
+gate/up can be fused into one tensor (``FUSIONS``), contiguously ``[Q; K; V]`` or interleaved per
+KV group ``[Q_g0; K_g0; V_g0; Q_g1; …]`` (gate/up: ``[gate; up]`` or alternating rows). Sources:
+../shared/notes/anchors.md §2.4–2.5 (mindformers r1.8 ``convert_weight.py``, ``qwen3/utils.py``,
+``TrainModelMixin.concat_qkv_*``).
+"""
+
+LEGACY = {  # mindformers LlamaForCausalLM (research/qwen2_5, use_legacy: True)
+    "model.embed_tokens.weight": "model.tok_embeddings.embedding_weight",
+    "model.layers.{i}.input_layernorm.weight": "model.layers.{i}.attention_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.{p}": "model.layers.{i}.attention.wq.{p}",
+    "model.layers.{i}.self_attn.k_proj.{p}": "model.layers.{i}.attention.wk.{p}",
+    "model.layers.{i}.self_attn.v_proj.{p}": "model.layers.{i}.attention.wv.{p}",
+    "model.layers.{i}.self_attn.o_proj.{p}": "model.layers.{i}.attention.wo.{p}",
+    "model.layers.{i}.self_attn.q_norm.weight": "model.layers.{i}.attention.q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "model.layers.{i}.attention.k_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "model.layers.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "model.layers.{i}.feed_forward.w1.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "model.layers.{i}.feed_forward.w2.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "model.layers.{i}.feed_forward.w3.weight",
+    "model.norm.weight": "model.norm_out.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+MCORE = {  # mindformers Qwen2/Qwen3 "Mcore" (use_legacy: False), before q/k/v and gate/up fusion
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.layers.{i}.input_layernorm.weight": "decoder.layers.{i}.input_layernorm.weight",
+    "model.layers.{i}.self_attn.q_proj.{p}": "decoder.layers.{i}.self_attention.linear_q.{p}",
+    "model.layers.{i}.self_attn.k_proj.{p}": "decoder.layers.{i}.self_attention.linear_k.{p}",
+    "model.layers.{i}.self_attn.v_proj.{p}": "decoder.layers.{i}.self_attention.linear_v.{p}",
+    "model.layers.{i}.self_attn.o_proj.{p}": "decoder.layers.{i}.self_attention.linear_proj.{p}",
+    "model.layers.{i}.self_attn.q_norm.weight": "decoder.layers.{i}.self_attention.q_layernorm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "decoder.layers.{i}.self_attention.k_layernorm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "decoder.layers.{i}.pre_mlp_layernorm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "decoder.layers.{i}.mlp.gating.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "decoder.layers.{i}.mlp.hidden.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "decoder.layers.{i}.mlp.linear_fc2.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+MAPS = {"mindformers": LEGACY, "mindformers-mcore": MCORE}
+# format → [(fused template, [part templates], kind)]; kind "qkv" splits by KV group, "mlp" by rows
+FUSIONS = {
+    "mindformers": [("model.layers.{i}.attention.w_qkv.{p}", ["model.layers.{i}.attention.wq.{p}",
+                     "model.layers.{i}.attention.wk.{p}", "model.layers.{i}.attention.wv.{p}"], "qkv"),
+                    ("model.layers.{i}.feed_forward.w_gate_hidden.weight", ["model.layers.{i}.feed_forward.w1.weight",
+                     "model.layers.{i}.feed_forward.w3.weight"], "mlp")],
+    "mindformers-mcore": [("decoder.layers.{i}.self_attention.linear_qkv.{p}", [
+                              "decoder.layers.{i}.self_attention.linear_q.{p}", "decoder.layers.{i}.self_attention.linear_k.{p}",
+                              "decoder.layers.{i}.self_attention.linear_v.{p}"], "qkv"),
+                          ("decoder.layers.{i}.mlp.linear_fc1.weight", ["decoder.layers.{i}.mlp.gating.weight",
+                           "decoder.layers.{i}.mlp.hidden.weight"], "mlp")],
+}

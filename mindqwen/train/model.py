@@ -1,0 +1,32 @@
+"""The model a recipe's ``model`` section describes: its config, and the model built from it."""
+from __future__ import annotations
+
+from typing import Optional
+
+import mindspore as ms
+
+from mindqwen.config import QwenConfig
+from mindqwen.models.qwen import QwenForCausalLM
+from mindqwen.train.recipe import ModelSection
+
+
+def model_config(section: ModelSection, vocab_size: Optional[int] = None) -> QwenConfig:
+    """The checkpoint's config, else the preset's / explicit one (``section.config`` overrides).
+
+    Args:
+        vocab_size: the tokenizer's vocabulary, used when neither the checkpoint nor the
+            section fixes it (the demos train their own tokenizers).
+    """
+    if section.checkpoint:
+        return QwenConfig.from_hf(section.checkpoint)
+    overrides = dict(section.config)
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
+    return QwenConfig.from_preset(section.preset, **overrides) if section.preset else QwenConfig(**overrides)
+
+
+def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
+    """From an HF checkpoint, or random weights of ``model_config(section, vocab_size)``."""
+    if section.checkpoint:
+        return QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype)
+    return QwenForCausalLM(model_config(section, vocab_size), getattr(ms, section.dtype))
