@@ -195,10 +195,10 @@ def cmd_serve(argv: List[str]) -> None:
     p.add_argument("--batch-timeout-ms", type=float)
     p.add_argument("--max-queue", type=int)
     p.add_argument("--chat-template", choices=["qwen2.5", "qwen3"], default="qwen2.5")
+    p.add_argument("--model-name", default="mindqwen", help="the id /v1/models lists and responses carry")
+    p.add_argument("--api-key", default=os.environ.get("MINDQWEN_API_KEY"),
+                   help="require Authorization: Bearer <key> (default: $MINDQWEN_API_KEY; unset: no key)")
     args = p.parse_args(argv)
-    import signal
-    import threading
-
     from mindqwen.data.tokenizer import load_tokenizer
     from mindqwen.generation import Generator, OutputFilter
     from mindqwen.serve import Server
@@ -210,15 +210,11 @@ def cmd_serve(argv: List[str]) -> None:
     server = Server(generator, args.host or s.host, args.port if args.port is not None else s.port,
                     args.max_batch_size or s.max_batch_size,
                     args.batch_timeout_ms if args.batch_timeout_ms is not None else s.batch_timeout_ms,
-                    args.max_queue or s.max_queue, s.max_prompt_tokens, g.config(), args.chat_template)
-
-    def stop(*_):
-        print("shutting down: finishing in-flight requests", flush=True)
-        threading.Thread(target=server.shutdown).start()
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+                    args.max_queue or s.max_queue, s.max_prompt_tokens, g.config(), args.chat_template,
+                    args.model_name, args.api_key, s.max_connections, s.max_body_bytes, s.keep_alive_s, s.log_prompts)
     host, port = server.address
-    print(f"serving on http://{host}:{port} (POST /v1/completions, /v1/chat/completions; GET /health)", flush=True)
+    print(f"serving {args.model_name} on http://{host}:{port} (POST /v1/completions, /v1/chat/completions; "
+          f"GET /v1/models, /health){'; API key required' if args.api_key else ''}", flush=True)
     server.serve_forever()
 
 

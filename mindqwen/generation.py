@@ -237,8 +237,13 @@ class Generator:
         self.prefill.set_inputs(*_dynamic_prefill_inputs(self.dtype))
 
     def run(self, prompts: Sequence[Sequence[int]], configs: Union[GenerationConfig, Sequence[GenerationConfig]],
-            on_token: Optional[TokenCallback] = None, progress: bool = False) -> List[RowResult]:
-        """Generate for each prompt (lists of ids, any lengths: they are left-padded together)."""
+            on_token: Optional[TokenCallback] = None, progress: bool = False,
+            cancelled: Optional[Callable[[int], bool]] = None) -> List[RowResult]:
+        """Generate for each prompt (lists of ids, any lengths: they are left-padded together).
+
+        ``cancelled(row)`` is asked before every step; a row it answers True for ends there
+        (finish reason ``cancelled``), and the batch ends when every row has.
+        """
         if not len(prompts) or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if isinstance(configs, GenerationConfig):
@@ -255,14 +260,15 @@ class Generator:
         mode = ms.get_context("mode")
         ms.set_context(mode=ms.GRAPH_MODE)  # the step graphs compile whatever mode the caller is in
         try:
-            self.decode_loop(ids, mask, rows, on_token, progress)
+            self.decode_loop(ids, mask, rows, on_token, progress, cancelled)
         finally:
             ms.set_context(mode=mode)
         return [RowResult(r.tokens, r.text if self.tokenizer is not None else None, r.finish or "length")
                 for r in rows]
 
     def decode_loop(self, ids: np.ndarray, mask: np.ndarray, rows: List[_Row],
-                    on_token: Optional[TokenCallback], progress: bool) -> None:
+                    on_token: Optional[TokenCallback], progress: bool,
+                    cancelled: Optional[Callable[[int], bool]] = None) -> None:
         """Prefill the left-padded batch ``ids``/``mask`` (B, S), then decode until every row ends."""
         b, s = ids.shape
         steps = max(r.config.max_new_tokens for r in rows)
@@ -284,6 +290,8 @@ class Generator:
             logits_np = logits.asnumpy()
             tokens = np.empty((b, 1), np.int32)
             for r, row in enumerate(rows):
+                if row.finish is None and cancelled is not None and cancelled(r):
+                    row.finish = "cancelled"
                 if row.finish is not None:
                     tokens[r, 0] = row.config.pad_id
                     continue

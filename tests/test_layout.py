@@ -16,6 +16,7 @@ FORBIDDEN = {
     "generation": {"train", "multimodal", "export", "serve"},
     "multimodal": {"train", "export", "serve"},
     "export": {"train", "serve"},
+    "serve": {"train", "export", "lora"},
 }
 
 

@@ -9,20 +9,9 @@ import pytest
 
 from conftest import fixture_path, reference
 from mindqwen import from_pretrained
+from mindqwen.data.tokenizer import ByteTokenizer  # the tiny model's vocabulary is 512: ids wrap to bytes
 from mindqwen.generation import GenerationConfig, Generator
 from mindqwen.serve import Server
-
-
-class ByteTokenizer:
-    """Test double: UTF-8 bytes are the ids (the tiny model's vocabulary is 512); id 0 ends a text."""
-
-    eos_token_id = 0
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +82,87 @@ def test_token_id_prompt_reproduces_hf_greedy_generation(generator):
         server.shutdown()
 
 
-def test_bad_requests_get_4xx_with_a_message(generator):
+BAD = [  # (path, JSON body or None, raw body, status, field named or message fragment)
+    ("/v1/completions", None, "{not json", 400, "not valid JSON"),
+    ("/v1/completions", None, "[" * 100_000, 400, "not valid JSON"),
+    ("/v1/completions", None, '{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", None, '{"prompt": "hi", "temperature": Infinity}', 400, "temperature"),
+    ("/v1/completions", {"max_tokens": 3}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 40}, None, 400, "limit is 32"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 5}, None, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, None, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, None, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, None, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, None, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, None, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, None, 400, "logprobs"),
+    ("/v1/completions", {"prompt": [1, 99999]}, None, 400, "token ids must be in [0, 512)"),
+    ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, None, 400, "messages"),
+    ("/v1/embeddings", {"input": "x"}, None, 404, "no endpoint"),
+]
+
+
+def _raw(server, request: bytes) -> str:
+    """Send bytes as they are; returns the status line (or "" if the server closed on us)."""
+    import socket
+    with socket.create_connection(server.address, timeout=60) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.split(b"\r\n")[0].decode()
+
+
+def test_every_bad_request_gets_its_4xx_in_openai_shape_and_the_server_stays_healthy(generator):
     server = _server(generator, max_prompt_tokens=32)
     try:
-        cases = [("/v1/completions", None, "{not json", 400, "not valid JSON"),
-                 ("/v1/completions", {"max_tokens": 3}, None, 400, "'prompt'"),
-                 ("/v1/completions", {"prompt": "x" * 40}, None, 400, "limit is 32"),
-                 ("/v1/completions", {"prompt": "hi", "top_p": 5}, None, 400, "top_p"),
-                 ("/v1/completions", {"prompt": [1, 99999]}, None, 400, "vocab_size"),
-                 ("/v1/chat/completions", {"messages": "hi"}, None, 400, "'messages'"),
-                 ("/v1/embeddings", {"input": "x"}, None, 404, "no endpoint")]
-        for path, body, raw, status, message in cases:
+        for path, body, raw, status, needle in BAD:
             code, text = _post(server, path, body, raw)
-            assert code == status and message in json.loads(text)["error"]["message"], (path, body, text)
+            error = json.loads(text)["error"]
+            assert code == status and (needle == error["param"] or needle in error["message"]), (path, body, text)
+            assert set(error) == {"message", "type", "param", "code"} and "Traceback" not in text and "/" not in \
+                error["message"].replace("/v1/", "")
+        for length in (b"abc", b"-5"):  # malformed framing: refused by the HTTP layer, never a dropped socket
+            status = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: " + length + b"\r\n\r\n{}")
+            assert status.startswith("HTTP/1.1 4"), (length, status)
+        ok = [{"prompt": "hi", "temperature": None, "stop": None, "seed": 3, "user": "ignored"}]
+        for body in ok:
+            code, text = _post(server, "/v1/completions", body)
+            assert code == 200, text
+        conn = http.client.HTTPConnection(*server.address)
+        conn.request("GET", "/health")
+        assert json.loads(conn.getresponse().read())["status"] == "ok"
+    finally:
+        server.shutdown()
+
+
+def test_two_requests_that_fit_alone_never_fail_together(generator):
+    """A 200-token prompt with 8 new tokens and a 13-token prompt with 200 new tokens each fit the
+    256 positions; queued together they go into separate batches, and both succeed."""
+    server = _server(generator, max_batch_size=8, batch_timeout_ms=0)
+    gate, held = _gate(server)
+    results = []
+    first = threading.Thread(target=lambda: results.append(_post(server, "/v1/completions", {"prompt": "q"})))
+    first.start()
+    assert held.wait(timeout=300)  # the worker waits at the gate: the next two queue up together
+    bodies = [{"prompt": list(range(1, 201)), "max_tokens": 8}, {"prompt": list(range(1, 14)), "max_tokens": 200}]
+    threads = [threading.Thread(target=lambda b=b: results.append(_post(server, "/v1/completions", b)))
+               for b in bodies]
+    for t in threads:
+        t.start()
+    wait_until(lambda: server.worker.queue.qsize() >= 2, "both requests are queued")
+    gate.set()
+    for t in threads + [first]:
+        t.join(timeout=300)
+    try:
+        assert sorted(code for code, _ in results) == [200, 200, 200], results
+        assert sorted(json.loads(b)["usage"]["prompt_tokens"] for _, b in results) == [1, 13, 200]
     finally:
         server.shutdown()
 
@@ -159,5 +216,96 @@ def test_streaming_and_chat(generator):
         reply = json.loads(body)
         assert code == 200 and reply["object"] == "chat.completion"
         assert reply["choices"][0]["message"]["role"] == "assistant" and reply["usage"]["prompt_tokens"] > 20
+    finally:
+        server.shutdown()
+
+
+def test_the_official_openai_client_sync_async_streamed_and_not(generator):
+    """What clients do: list models, completions (text, ids, a list of prompts), chat with
+    content parts, streaming with usage; answers equal the generator's own for the same prompt."""
+    import asyncio
+    import openai
+    server = _server(generator, api_key="secret")
+    base = f"http://{server.address[0]}:{server.address[1]}/v1"
+    client = openai.OpenAI(base_url=base, api_key="secret", max_retries=0)
+    try:
+        assert [m.id for m in client.models.list().data] == ["mindqwen"]
+        assert client.models.retrieve("mindqwen").owned_by == "mindqwen"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-4")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        alone = {p: generator.run([ByteTokenizer().encode(p)], GenerationConfig(max_new_tokens=5, eos_token_id=0))[0]
+                 for p in ("hello", "world")}
+        r = client.completions.create(model="mindqwen", prompt=["hello", "world"], max_tokens=5, temperature=0)
+        assert [c.text for c in r.choices] == [alone["hello"].text, alone["world"].text]
+        assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == 10
+        chunks = list(client.completions.create(model="mindqwen", prompt="hello", max_tokens=5, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == alone["hello"].text
+        assert all(c.id == chunks[0].id and c.model == "mindqwen" and c.object == "text_completion" for c in chunks)
+        assert chunks[-1].usage.completion_tokens == len(alone["hello"].tokens) and not chunks[-1].choices
+        chat = client.chat.completions.create(model="mindqwen", max_completion_tokens=4, messages=[
+            {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 4
+        deltas = list(client.chat.completions.create(model="mindqwen", max_tokens=4, stream=True, messages=[
+            {"role": "user", "content": "hi"}]))
+        assert deltas[0].choices[0].delta.role == "assistant" and deltas[-1].choices[0].finish_reason is not None
+        assert all(d.object == "chat.completion.chunk" for d in deltas)
+
+        async def concurrently():
+            aclient = openai.AsyncOpenAI(base_url=base, api_key="secret", max_retries=0)
+            replies = await asyncio.gather(*[aclient.completions.create(model="mindqwen", prompt=p, max_tokens=5,
+                                                                        temperature=0) for p in ("hello", "world")])
+            await aclient.close()
+            return [r.choices[0].text for r in replies]
+        assert asyncio.run(concurrently()) == [alone["hello"].text, alone["world"].text]
+    finally:
+        server.shutdown()
+
+
+def test_stop_strings_are_left_out_of_the_text_streamed_or_not(generator):
+    server = _server(generator)
+    try:
+        _, body = _post(server, "/v1/completions", {"prompt": "stop here", "max_tokens": 6, "temperature": 0})
+        text = json.loads(body)["choices"][0]["text"]
+        stop = text[2:4]  # two characters the greedy answer reaches after two
+        cut = text[:text.index(stop)]
+        _, body = _post(server, "/v1/completions", {"prompt": "stop here", "max_tokens": 6, "temperature": 0,
+                                                    "stop": [stop]})
+        choice = json.loads(body)["choices"][0]
+        assert choice["text"] == cut and choice["finish_reason"] == "stop"
+        _, events = _post(server, "/v1/completions", {"prompt": "stop here", "max_tokens": 6, "temperature": 0,
+                                                      "stop": stop, "stream": True})
+        chunks = [json.loads(e[len("data: "):]) for e in events.split("\n\n") if e.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+    finally:
+        server.shutdown()
+
+
+def test_a_client_that_disconnects_frees_its_row_at_the_next_step(generator):
+    server = _server(generator)
+    finished = []
+    run = server.worker.generator.run
+
+    def recording(*args, **kwargs):  # 20 ms a token: 200 tokens would take 4 s
+        on_token = kwargs["on_token"]
+        kwargs["on_token"] = lambda *a: (time.sleep(0.02), on_token(*a))
+        results = run(*args, **kwargs)
+        finished.extend(r.finish_reason for r in results)
+        return results
+    server.worker.generator.run = recording
+    try:
+        conn = http.client.HTTPConnection(*server.address, timeout=300)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "max_tokens": 200, "stream": True,
+                                                                 "temperature": 0}))
+        response = conn.getresponse()
+        response.fp.readline()  # the first event: generation is under way
+        response.close()  # the client goes away (both references to the socket)
+        conn.close()
+        wait_until(lambda: finished, "the abandoned generation ends")
+        assert finished == ["cancelled"]
+        code, _ = _post(server, "/v1/completions", {"prompt": "next"})
+        assert code == 200
     finally:
         server.shutdown()

@@ -231,6 +231,19 @@ class SentencePieceTokenizer:
         return self.sp.decode([int(i) for i in ids])
 
 
+class ByteTokenizer:
+    """UTF-8 bytes are the ids (an id above 255 wraps to its byte); id 0 ends a text. For
+    smoke tests and load benchmarks of models without a tokenizer of their own."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str) -> List[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
 def load_tokenizer(path: str) -> Union[QwenTokenizer, SentencePieceTokenizer]:
     """A Qwen tokenizer folder (or ``qwen.tiktoken``), or a SentencePiece ``.model``."""
     if path.endswith(".model"):

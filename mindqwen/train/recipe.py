@@ -196,6 +196,10 @@ class ServeSection:
         batch_timeout_ms: how long the first queued request waits for others to join its batch.
         max_queue: queued requests beyond which new ones get HTTP 503.
         max_prompt_tokens: longer prompts get HTTP 400.
+        max_connections: open connections at most (beyond: HTTP 503).
+        max_body_bytes: larger request bodies get HTTP 413.
+        keep_alive_s: idle keep-alive connections close after this many seconds.
+        log_prompts: write prompt text into the request log (off: sizes and status only).
     """
 
     host: str = "127.0.0.1"
@@ -204,11 +208,16 @@ class ServeSection:
     batch_timeout_ms: float = 100.0
     max_queue: int = 64
     max_prompt_tokens: int = 2048
+    max_connections: int = 512
+    max_body_bytes: int = 1048576
+    keep_alive_s: float = 5.0
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_prompt_tokens < 1 or self.batch_timeout_ms < 0:
-            raise ValueError("serve: max_batch_size, max_queue and max_prompt_tokens must be >= 1, "
-                             "batch_timeout_ms >= 0")
+        if min(self.max_batch_size, self.max_queue, self.max_prompt_tokens, self.max_connections,
+               self.max_body_bytes) < 1 or self.batch_timeout_ms < 0 or self.keep_alive_s <= 0:
+            raise ValueError("serve: max_batch_size, max_queue, max_prompt_tokens, max_connections and "
+                             "max_body_bytes must be >= 1, batch_timeout_ms >= 0, keep_alive_s > 0")
 
 
 @dataclass

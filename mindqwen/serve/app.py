@@ -1,0 +1,387 @@
+"""``mindqwen serve``: the OpenAI API over FastAPI + uvicorn (``pip install mindqwen[serve]``).
+
+    GET  /health                 {"status", "queued", "batches": sizes of recent batches}
+    GET  /v1/models[/{id}]       the served model
+    POST /v1/completions         prompt: text, token ids, or a list of them (one choice each)
+    POST /v1/chat/completions    messages: {role, content: text | [{"type": "text", ...}]}
+
+Every client error is a 4xx in OpenAI's error shape ``{"error": {"message", "type", "param",
+"code"}}``, with the field named; no error body carries a traceback or a file path. Bodies are
+typed (``protocol.py``); limits are settings: connections (uvicorn's ``limit_concurrency``:
+beyond it, 503), body bytes (413), queued requests (503), prompt tokens, keep-alive. With
+``api_key`` every /v1 request needs ``Authorization: Bearer <key>`` (compared in constant time).
+Request logs name the endpoint, sizes and status, not the prompt text (``log_prompts`` adds it).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from typing import AsyncIterator, List, Optional
+
+from mindqwen.generation import GenerationConfig, Generator, RowResult
+from mindqwen.serve.protocol import ChatRequest, CompletionRequest, UnsupportedField
+from mindqwen.serve.worker import BatchWorker, Busy, Job
+
+try:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from pydantic import ValidationError
+    from starlette.exceptions import HTTPException
+except ImportError as _missing:  # pragma: no cover - the [serve] extra is not installed
+    raise ImportError(f"mindqwen serve needs the serving extra: pip install 'mindqwen[serve]' ({_missing})") from None
+
+log = logging.getLogger("mindqwen.serve")
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was generating."""
+
+
+class ApiError(Exception):
+    """A response in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def response(self) -> JSONResponse:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+class Server:
+    """The HTTP front end over a ``BatchWorker``.
+
+    Args:
+        generator: a ``Generator`` with a tokenizer.
+        host, port: where to listen (port 0 picks a free one: see ``address``).
+        max_prompt_tokens: longer prompts get 400.
+        defaults: generation defaults (a recipe's ``generation`` section or a ``GenerationConfig``).
+        chat_template: "qwen2.5" | "qwen3" for /v1/chat/completions.
+        api_key: required as a Bearer token when set.
+        max_connections: open connections at most (beyond: 503).
+        max_body_bytes: larger request bodies get 413.
+        keep_alive_s: idle keep-alive connections close after this.
+        log_prompts: include prompt text in the request log.
+    """
+
+    def __init__(self, generator: Generator, host: str = "127.0.0.1", port: int = 8000,
+                 max_batch_size: int = 16, batch_timeout_ms: float = 100.0, max_queue: int = 64,
+                 max_prompt_tokens: int = 2048, defaults: Optional[GenerationConfig] = None,
+                 chat_template: str = "qwen2.5", model_name: str = "mindqwen", api_key: Optional[str] = None,
+                 max_connections: int = 512, max_body_bytes: int = 1 << 20, keep_alive_s: float = 5.0,
+                 log_prompts: bool = False):
+        if generator.tokenizer is None:
+            raise ValueError("serving needs a tokenizer")
+        self.generator, self.tokenizer = generator, generator.tokenizer
+        self.worker = BatchWorker(generator, max_batch_size, batch_timeout_ms, max_queue)
+        self.max_prompt, self.max_body, self.api_key = max_prompt_tokens, max_body_bytes, api_key
+        self.max_positions = generator.model.config.max_position_embeddings
+        self.vocab_size = generator.model.config.vocab_size
+        self.defaults = defaults or GenerationConfig(max_new_tokens=128)
+        self.chat_template, self.model_name, self.log_prompts = chat_template, model_name, log_prompts
+        self.created = int(time.time())
+        self.sock = socket.create_server((host, port), backlog=2048, reuse_port=False)
+        self.address = self.sock.getsockname()[:2]
+        self.uvicorn = uvicorn.Server(uvicorn.Config(
+            build_app(self), log_level="warning", access_log=False, lifespan="off",
+            limit_concurrency=max_connections, timeout_keep_alive=keep_alive_s, timeout_graceful_shutdown=600))
+        self.thread: Optional[threading.Thread] = None
+
+    def serve_forever(self) -> None:
+        """Serve until SIGINT/SIGTERM (or ``shutdown``), then finish the queued requests."""
+        try:
+            self.uvicorn.run(sockets=[self.sock])
+        finally:
+            if self.worker.accepting:
+                self.worker.stop()
+
+    def start(self) -> "Server":
+        """Serve on a background thread (for notebooks and tests); returns once listening."""
+        self.thread = threading.Thread(target=self.serve_forever, name="mindqwen-http", daemon=True)
+        self.thread.start()
+        while not self.uvicorn.started and self.thread.is_alive():
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self) -> None:
+        """Refuse new requests (503), finish queued and in-flight ones, close the socket."""
+        self.worker.stop()
+        self.uvicorn.should_exit = True
+        if self.thread is not None:
+            self.thread.join()
+
+    # ------------------------------------------------------------------ requests → jobs
+    def jobs(self, request, loop) -> List[Job]:
+        """One ``Job`` per prompt of a checked request; raises ``ApiError`` (400)."""
+        if isinstance(request, ChatRequest):
+            from mindqwen.data.chat import render
+            try:
+                text = render(request.rendered_messages(), self.chat_template, add_generation_prompt=True)[0]
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
+            prompts, field, new_tokens = [self.tokenizer.encode(text)], "messages", request.new_tokens()
+        else:
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
+            field, new_tokens = "prompt", request.max_tokens
+        jobs = []
+        for ids in prompts:
+            if not ids:
+                raise ApiError(400, "the prompt is empty", field)
+            if len(ids) > self.max_prompt:
+                raise ApiError(400, f"the prompt has {len(ids)} tokens; the limit is {self.max_prompt}", field)
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ApiError(400, f"token ids must be in [0, {self.vocab_size})", field)
+            room = self.max_positions - len(ids)
+            if new_tokens is not None and new_tokens > room:
+                raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {new_tokens}: together more "
+                                    f"than the model's {self.max_positions} positions", "max_tokens")
+            if room < 1:
+                raise ApiError(400, f"the prompt fills all {self.max_positions} positions", field)
+            jobs.append(Job(list(ids), self.config(request, new_tokens or min(self.defaults.max_new_tokens, room)),
+                            loop))
+        return jobs
+
+    def config(self, request, max_new_tokens: int) -> GenerationConfig:
+        d = self.defaults
+        temperature = d.temperature if request.temperature is None else request.temperature
+        # OpenAI semantics: temperature 0 is greedy; absent, the defaults decide.
+        do_sample = d.do_sample if request.temperature is None else request.temperature > 0
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature if do_sample else 1.0,
+            top_p=d.top_p if request.top_p is None else request.top_p,
+            top_k=d.top_k if request.top_k is None else request.top_k,
+            repetition_penalty=d.repetition_penalty if request.repetition_penalty is None else request.repetition_penalty,
+            stop_strings=request.stop_list() if request.stop is not None else list(d.stop_strings),
+            seed=request.seed, eos_token_id=self.tokenizer.eos_token_id)
+
+
+def strip_stop(text: str, result: RowResult, stops) -> str:
+    """OpenAI leaves the stop string out of the text."""
+    if result.finish_reason == "stop":
+        for s in stops:
+            if text.endswith(s):
+                return text[:-len(s)]
+    return text
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body has {declared} bytes; the limit is {limit}")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the body is larger than the limit of {limit} bytes")
+    try:
+        data = json.loads(body or b"null")
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return data
+
+
+def checked(model, data: dict):
+    """``model`` validated from ``data``; a bad field is a 400 naming it."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, UnsupportedField):
+            raise ApiError(400, str(cause), cause.field, "unsupported_parameter") from None
+        param = str(first["loc"][0]) if first["loc"] else None  # the request field, not pydantic's union branch
+        message = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{param}: {message}" if param else message, param) from None
+
+
+def build_app(server: Server) -> "FastAPI":
+    app = FastAPI(title="mindqwen", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        message = f"no endpoint {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
+        return ApiError(exc.status_code, str(message)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        return ApiError(400, str(exc.errors()[0].get("msg", "bad request"))).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request, exc: Exception):
+        log.error("internal error: %s", type(exc).__name__, exc_info=exc)
+        return ApiError(500, "internal server error").response()
+
+    @app.middleware("http")
+    async def _auth_and_log(request: Request, call_next):
+        start = time.monotonic()
+        if server.api_key is not None and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+                return ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                code="invalid_api_key").response()
+        response = await call_next(request)
+        log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
+                 1000 * (time.monotonic() - start))
+        return response
+
+    @app.get("/health")
+    async def health():
+        w = server.worker
+        return {"status": "ok" if w.accepting else "shutting down", "queued": w.queue.qsize(),
+                "batches": w.batch_sizes[-32:]}
+
+    def model_card():
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "mindqwen"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.model_name:
+            raise ApiError(404, f"no model {model_id!r}; this server serves {server.model_name!r}", "model",
+                           "model_not_found")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, checked(CompletionRequest, await read_json(request, server.max_body)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await answer(request, checked(ChatRequest, await read_json(request, server.max_body)))
+
+    async def answer(http: Request, req):
+        jobs = server.jobs(req, asyncio.get_running_loop())
+        if server.log_prompts:
+            log.info("prompt: %r", [server.tokenizer.decode(j.prompt) for j in jobs])
+        try:
+            for job in jobs:
+                server.worker.submit(job)
+        except Busy as e:
+            for job in jobs:
+                job.cancelled.set()
+            raise ApiError(503, str(e)) from None
+        chat = isinstance(req, ChatRequest)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if req.stream:
+            return StreamingResponse(stream(http, req, jobs, rid, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            results = [await wait(http, job) for job in jobs]
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the rows are already freed
+        finally:
+            for job in jobs:
+                job.cancelled.set()
+        stops = req.stop_list() if req.stop is not None else list(server.defaults.stop_strings)
+        choices = []
+        for i, result in enumerate(results):
+            text = strip_stop(result.text, result, stops)
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            choices.append({"index": i, "finish_reason": result.finish_reason, "logprobs": None, **body})
+        prompt = sum(len(j.prompt) for j in jobs)
+        completion = sum(len(r.tokens) for r in results)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": server.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+
+    async def next_event(http: Request, job: Job):
+        """The job's next event; raises ``ClientGone`` once the client has disconnected."""
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if await http.is_disconnected():
+                raise ClientGone()
+            if event is not None:
+                return event
+
+    async def wait(http: Request, job: Job) -> RowResult:
+        """The job's result, skipping text deltas."""
+        while True:
+            event = await next_event(http, job)
+            if isinstance(event, Exception):
+                raise ApiError(500, "generation failed")
+            if not isinstance(event, str):
+                return event
+
+    async def stream(http: Request, req, jobs: List[Job], rid: str, chat: bool) -> AsyncIterator[bytes]:
+        created, stops = int(time.time()), (req.stop_list() if req.stop is not None
+                                            else list(server.defaults.stop_strings))
+        # The newest text may be (part of) a stop string, completed by the delta just received:
+        # it goes out only once the next delta or the result shows it is not.
+        hold = max([len(s) for s in stops] + [0])
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def chunk(index: int, text: Optional[str], finish: Optional[str], first: bool = False) -> bytes:
+            if chat:
+                delta = ({"role": "assistant", "content": text or ""} if first else
+                         {} if text is None else {"content": text})
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            payload = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": [choice]}
+            if usage:
+                payload["usage"] = None
+            return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+        completion = 0
+        try:
+            for index, job in enumerate(jobs):
+                if chat:
+                    yield chunk(index, "", None, first=True)
+                text, sent = "", 0
+                while True:
+                    event = await next_event(http, job)
+                    if isinstance(event, str):
+                        text += event
+                        if len(text) - hold > sent:
+                            yield chunk(index, text[sent:len(text) - hold], None)
+                            sent = len(text) - hold
+                        continue
+                    if isinstance(event, Exception):
+                        error = {"error": {"message": "generation failed", "type": "server_error",
+                                           "param": None, "code": None}}
+                        yield b"data: " + json.dumps(error).encode() + b"\n\n"
+                        break
+                    final = strip_stop(text, event, stops)
+                    completion += len(event.tokens)
+                    if len(final) > sent:
+                        yield chunk(index, final[sent:], None)
+                    yield chunk(index, None if chat else "", event.finish_reason)
+                    break
+            if usage:
+                prompt = sum(len(j.prompt) for j in jobs)
+                payload = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": [],
+                           "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                     "total_tokens": prompt + completion}}
+                yield b"data: " + json.dumps(payload).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except ClientGone:
+            pass
+        finally:  # the client went away (or the stream ended): free the rows
+            for job in jobs:
+                job.cancelled.set()
+
+    return app
