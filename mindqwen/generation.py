@@ -45,6 +45,9 @@ class GenerationConfig:
         stop_strings: a row ends once its generated text contains one (needs a tokenizer).
         pad_token_id: fills finished rows (default: the first eos id, else 0).
         seed: seeds the sampler; None draws fresh entropy.
+        top_logprobs: None, or k >= 0: record each new token's log-probability under the
+            model (log-softmax of the raw logits, before penalties and warpers) and the k most
+            likely tokens' (``RowResult.logprobs``).
     """
 
     max_new_tokens: int = 32
@@ -57,6 +60,7 @@ class GenerationConfig:
     stop_strings: Sequence[str] = ()
     pad_token_id: Optional[int] = None
     seed: Optional[int] = None
+    top_logprobs: Optional[int] = None
     eos_ids: Tuple[int, ...] = field(init=False, repr=False)
     pad_id: int = field(init=False, repr=False)  # pad_token_id, else the first eos id, else 0
 
@@ -71,6 +75,8 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.top_logprobs is not None and (not isinstance(self.top_logprobs, int) or self.top_logprobs < 0):
+            raise ValueError(f"top_logprobs must be None or an integer >= 0, got {self.top_logprobs!r}")
         if isinstance(self.stop_strings, str):
             self.stop_strings = (self.stop_strings,)
         eos = self.eos_token_id
@@ -158,14 +164,20 @@ class OutputFilter:
         return self.regex.sub(repl, text), False
 
 
+# one new token: (id, log-probability, [(id, log-probability) of the most likely tokens])
+TokenLogprob = Tuple[int, float, List[Tuple[int, float]]]
+
+
 @dataclass
 class RowResult:
-    """One row's generation: new token ids, their text (filtered) and why it ended
-    (``stop`` eos/stop string, ``length`` max_new_tokens, ``content_filter`` a blocked string)."""
+    """One row's generation: new token ids, their text (filtered), why it ended (``stop``
+    eos/stop string, ``length`` max_new_tokens, ``content_filter`` a blocked string,
+    ``cancelled``) and, with ``top_logprobs``, each token's log-probabilities."""
 
     tokens: List[int]
     text: Optional[str]
     finish_reason: str
+    logprobs: Optional[List[TokenLogprob]] = None
 
 
 class _Row:
@@ -178,10 +190,16 @@ class _Row:
         self.tokens: List[int] = []
         self.finish: Optional[str] = None
         self.text, self.emitted = "", 0
+        self.logprobs: Optional[List[TokenLogprob]] = [] if config.top_logprobs is not None else None
 
     def step(self, logits: np.ndarray) -> Tuple[int, str]:
         """Choose the next token; returns it and the newly final text."""
         tok = choose_token(process_logits(logits, np.asarray(self.seen), self.config), self.config, self.rng)
+        if self.logprobs is not None:
+            lp = logits.astype(np.float64) - logits.max()
+            lp -= np.log(np.exp(lp).sum())
+            top = np.argsort(-lp, kind="stable")[:self.config.top_logprobs]
+            self.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in top]))
         self.tokens.append(tok)
         self.seen.append(tok)
         delta = self._update_text() if self.tokenizer is not None else ""
@@ -263,7 +281,7 @@ class Generator:
             self.decode_loop(ids, mask, rows, on_token, progress, cancelled)
         finally:
             ms.set_context(mode=mode)
-        return [RowResult(r.tokens, r.text if self.tokenizer is not None else None, r.finish or "length")
+        return [RowResult(r.tokens, r.text if self.tokenizer is not None else None, r.finish or "length", r.logprobs)
                 for r in rows]
 
     def decode_loop(self, ids: np.ndarray, mask: np.ndarray, rows: List[_Row],

@@ -94,8 +94,9 @@ BAD = [  # (path, JSON body or None, raw body, status, field named or message fr
     ("/v1/completions", {"prompt": "hi", "seed": -1}, None, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, None, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, None, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, None, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, None, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "n": 99}, None, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, None, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 3, "echo": True}, None, 400, "echo"),
     ("/v1/completions", {"prompt": [1, 99999]}, None, 400, "token ids must be in [0, 512)"),
     ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
@@ -307,5 +308,57 @@ def test_a_client_that_disconnects_frees_its_row_at_the_next_step(generator):
         assert finished == ["cancelled"]
         code, _ = _post(server, "/v1/completions", {"prompt": "next"})
         assert code == 200
+    finally:
+        server.shutdown()
+        del generator.run  # the fixture is shared: back to the class's method
+
+
+def test_logprobs_n_and_echo(generator):
+    """Log-probabilities are the model's: the first new token's equals HF's golden logits at the
+    last prompt position, the later ones a full recomputation without the cache (≤ 1e-4); n
+    choices are the single answers with seeds seed, seed + 1, …; echo prepends the prompt."""
+    import numpy as np
+    import mindspore as ms
+    ref = reference("qwen2_tiny")
+    prompt = ref["input_ids"][0].tolist()
+    server = _server(generator)
+    try:
+        code, body = _post(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})  # chat works alongside
+        assert code == 200
+        code, body = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                       "logprobs": 3})
+        reply = json.loads(body)
+        lp = reply["choices"][0]["logprobs"]
+        assert code == 200 and len(lp["token_logprobs"]) == reply["usage"]["completion_tokens"] == 4
+        hf = ref["logits"][0, -1].astype(np.float64)
+        hf_lp = hf - hf.max() - np.log(np.exp(hf - hf.max()).sum())
+        assert abs(lp["token_logprobs"][0] - hf_lp.max()) <= 1e-4  # greedy: the most likely token
+        ids = generator.run([prompt], GenerationConfig(max_new_tokens=4, eos_token_id=0))[0].tokens
+        full = generator.model(ms.Tensor(np.array([prompt + ids], np.int32))).asnumpy()[0].astype(np.float64)
+        for step, tok in enumerate(ids):
+            row = full[len(prompt) - 1 + step]
+            expected = row[tok] - row.max() - np.log(np.exp(row - row.max()).sum())
+            assert abs(lp["token_logprobs"][step] - expected) <= 1e-4, step
+        code, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 2, "logprobs": True, "top_logprobs": 2})
+        content = json.loads(body)["choices"][0]["logprobs"]["content"]
+        assert len(content) == 2 and all(len(c["top_logprobs"]) == 2 for c in content)
+        assert all(c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-12 for c in content)
+
+        code, body = _post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "temperature": 1.0,
+                                                       "seed": 5, "n": 3})
+        reply = json.loads(body)
+        singles = [json.loads(_post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 4, "temperature": 1.0,
+                                                                "seed": 5 + i})[1])["choices"][0]["text"]
+                   for i in range(3)]
+        assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in reply["choices"]] == singles and reply["usage"]["prompt_tokens"] == 3
+        code, body = _post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0,
+                                                       "echo": True})
+        _, plain = _post(server, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0})
+        assert json.loads(body)["choices"][0]["text"] == "abc" + json.loads(plain)["choices"][0]["text"]
+        code, body = _post(server, "/v1/completions", {"prompt": "abc", "logprobs": 1, "stream": True})
+        assert code == 400 and json.loads(body)["error"]["param"] == "logprobs"
     finally:
         server.shutdown()

@@ -135,7 +135,7 @@ class Server:
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
             field, new_tokens = "prompt", request.max_tokens
         jobs = []
-        for ids in prompts:
+        for k, ids in enumerate(prompts):
             if not ids:
                 raise ApiError(400, "the prompt is empty", field)
             if len(ids) > self.max_prompt:
@@ -148,11 +148,16 @@ class Server:
                                     f"than the model's {self.max_positions} positions", "max_tokens")
             if room < 1:
                 raise ApiError(400, f"the prompt fills all {self.max_positions} positions", field)
-            jobs.append(Job(list(ids), self.config(request, new_tokens or min(self.defaults.max_new_tokens, room)),
-                            loop))
+            echo = ""
+            if getattr(request, "echo", False):
+                given = request.prompts()[k]
+                echo = given if isinstance(given, str) else self.tokenizer.decode(given)
+            for i in range(request.n):  # n choices: distinct draws (seed, seed + 1, … when seeded)
+                config = self.config(request, new_tokens or min(self.defaults.max_new_tokens, room), i)
+                jobs.append(Job(list(ids), config, loop, echo=echo))
         return jobs
 
-    def config(self, request, max_new_tokens: int) -> GenerationConfig:
+    def config(self, request, max_new_tokens: int, choice: int = 0) -> GenerationConfig:
         d = self.defaults
         temperature = d.temperature if request.temperature is None else request.temperature
         # OpenAI semantics: temperature 0 is greedy; absent, the defaults decide.
@@ -163,7 +168,27 @@ class Server:
             top_k=d.top_k if request.top_k is None else request.top_k,
             repetition_penalty=d.repetition_penalty if request.repetition_penalty is None else request.repetition_penalty,
             stop_strings=request.stop_list() if request.stop is not None else list(d.stop_strings),
-            seed=request.seed, eos_token_id=self.tokenizer.eos_token_id)
+            seed=None if request.seed is None else request.seed + choice, eos_token_id=self.tokenizer.eos_token_id,
+            top_logprobs=request.top_logprobs_wanted())
+
+
+def logprobs(tokenizer, result: RowResult, chat: bool) -> Optional[dict]:
+    """``result``'s token log-probabilities in OpenAI's completions or chat layout."""
+    if result.logprobs is None:
+        return None
+    piece = lambda i: tokenizer.decode([i])  # noqa: E731
+    if chat:
+        entry = lambda i, lp: {"token": piece(i), "logprob": lp, "bytes": list(piece(i).encode())}  # noqa: E731
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                            for t, lp, top in result.logprobs]}
+    offsets, at = [], 0
+    for t, _, _ in result.logprobs:
+        offsets.append(at)
+        at += len(piece(t))
+    return {"tokens": [piece(t) for t, _, _ in result.logprobs],
+            "token_logprobs": [lp for _, lp, _ in result.logprobs],
+            "top_logprobs": [{piece(i): v for i, v in top} for _, _, top in result.logprobs],
+            "text_offset": offsets}
 
 
 def strip_stop(text: str, result: RowResult, stops) -> str:
@@ -294,11 +319,12 @@ def build_app(server: Server) -> "FastAPI":
                 job.cancelled.set()
         stops = req.stop_list() if req.stop is not None else list(server.defaults.stop_strings)
         choices = []
-        for i, result in enumerate(results):
-            text = strip_stop(result.text, result, stops)
+        for i, (job, result) in enumerate(zip(jobs, results)):
+            text = job.echo + strip_stop(result.text, result, stops)
             body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            choices.append({"index": i, "finish_reason": result.finish_reason, "logprobs": None, **body})
-        prompt = sum(len(j.prompt) for j in jobs)
+            choices.append({"index": i, "finish_reason": result.finish_reason,
+                            "logprobs": logprobs(server.tokenizer, result, chat), **body})
+        prompt = sum(len(j.prompt) for j in jobs[::req.n])  # each prompt once, whatever n
         completion = sum(len(r.tokens) for r in results)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": server.model_name, "choices": choices,
@@ -351,6 +377,8 @@ def build_app(server: Server) -> "FastAPI":
             for index, job in enumerate(jobs):
                 if chat:
                     yield chunk(index, "", None, first=True)
+                elif job.echo:
+                    yield chunk(index, job.echo, None)
                 text, sent = "", 0
                 while True:
                     event = await next_event(http, job)
@@ -372,7 +400,7 @@ def build_app(server: Server) -> "FastAPI":
                     yield chunk(index, None if chat else "", event.finish_reason)
                     break
             if usage:
-                prompt = sum(len(j.prompt) for j in jobs)
+                prompt = sum(len(j.prompt) for j in jobs[::req.n])  # each prompt once, whatever n
                 payload = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": [],
                            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                      "total_tokens": prompt + completion}}

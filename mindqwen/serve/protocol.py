@@ -12,14 +12,11 @@ from typing import List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOP = 4  # stop sequences per request, as OpenAI
-
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # as OpenAI
 # field → (its neutral values, why it is refused otherwise)
 UNSUPPORTED = {
-    "n": ((None, 1), "n > 1 is not supported yet: send the request n times (with different seeds)"),
     "best_of": ((None, 1), "best_of is not supported"),
-    "logprobs": ((None, False, 0), "logprobs are not supported yet"),
-    "top_logprobs": ((None, 0), "top_logprobs are not supported yet"),
-    "echo": ((None, False), "echo is not supported yet"),
     "suffix": ((None, ""), "suffix (insertion) is not supported"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
     "presence_penalty": ((None, 0, 0.0), "presence_penalty is not supported (repetition_penalty is)"),
@@ -59,6 +56,7 @@ class Sampling(BaseModel):
     seed: Optional[int] = Field(None, ge=0, le=2 ** 63 - 1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    n: int = Field(1, ge=1, le=MAX_N)
 
     @model_validator(mode="before")
     @classmethod
@@ -80,17 +78,33 @@ class Sampling(BaseModel):
     def stop_list(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def top_logprobs_wanted(self) -> Optional[int]:
+        """None: no log-probabilities; k: the chosen token's and the k most likely."""
+        raise NotImplementedError
+
+    def _no_streamed_logprobs(self):
+        if self.stream and self.top_logprobs_wanted() is not None:
+            raise UnsupportedField("logprobs", "logprobs with stream are not supported yet")
+        return self
+
 
 class CompletionRequest(Sampling):
     """POST /v1/completions: a prompt (text or token ids), or a list of them (one choice each)."""
 
     prompt: Union[str, List[int], List[str], List[List[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # the chosen token's and this many more
+    echo: bool = False
 
     @model_validator(mode="after")
     def _check_prompt(self):
         if not self.prompts() or not all(len(p) for p in self.prompts()):
             raise ValueError("prompt must be non-empty (a string, token ids, or a list of them)")
-        return self
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedField("echo", "echo with logprobs (the prompt's log-probabilities) is not supported")
+        return self._no_streamed_logprobs()
+
+    def top_logprobs_wanted(self) -> Optional[int]:
+        return self.logprobs
 
     def prompts(self) -> List[Union[str, List[int]]]:
         p = self.prompt
@@ -126,6 +140,17 @@ class ChatRequest(Sampling):
 
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self._no_streamed_logprobs()
+
+    def top_logprobs_wanted(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

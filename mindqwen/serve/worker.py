@@ -39,6 +39,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     streamed: bool = False  # text has gone out: a failed batch cannot run this job again
+    echo: str = ""  # text the answer starts with (completions' ``echo``: the prompt)
 
     def put(self, event) -> None:
         """From the worker thread: hand ``event`` to the request's event loop."""
