@@ -183,7 +183,7 @@ def _ints(text: str, flag: str) -> List[int]:
 
 
 def cmd_serve(argv: List[str]) -> None:
-    """Serve a model over HTTP (OpenAI-style /v1/completions, /v1/chat/completions) with dynamic batching."""
+    """Serve a model over HTTP (OpenAI-style /v1/completions, /v1/chat/completions) with continuous batching."""
     p = _parser(cmd_serve, "mindqwen serve Qwen2.5-0.5B-Instruct/ --tokenizer Qwen2.5-0.5B-Instruct/ --port 8000")
     p.add_argument("model", help="HF folder")
     p.add_argument("--tokenizer", required=True, help="SentencePiece .model, tokenizer folder or qwen.tiktoken")
@@ -192,7 +192,6 @@ def cmd_serve(argv: List[str]) -> None:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--max-batch-size", type=int)
-    p.add_argument("--batch-timeout-ms", type=float)
     p.add_argument("--max-queue", type=int)
     p.add_argument("--chat-template", choices=["qwen2.5", "qwen3"], default="qwen2.5")
     p.add_argument("--model-name", default="mindqwen", help="the id /v1/models lists and responses carry")
@@ -208,10 +207,8 @@ def cmd_serve(argv: List[str]) -> None:
     block = OutputFilter(g.output_filter.block, g.output_filter.action) if g.output_filter.block else None
     generator = Generator(_load_model(args.model, args.adapter), load_tokenizer(args.tokenizer), block)
     server = Server(generator, args.host or s.host, args.port if args.port is not None else s.port,
-                    args.max_batch_size or s.max_batch_size,
-                    args.batch_timeout_ms if args.batch_timeout_ms is not None else s.batch_timeout_ms,
-                    args.max_queue or s.max_queue, s.max_prompt_tokens, g.config(), args.chat_template,
-                    args.model_name, args.api_key, s.max_connections, s.max_body_bytes, s.keep_alive_s, s.log_prompts)
+                    args.max_batch_size or s.max_batch_size, args.max_queue or s.max_queue, s.max_prompt_tokens,
+                    g.config(), args.chat_template, args.model_name, args.api_key, s.max_connections, s.max_body_bytes, s.keep_alive_s, s.log_prompts)
     host, port = server.address
     print(f"serving {args.model_name} on http://{host}:{port} (POST /v1/completions, /v1/chat/completions; "
           f"GET /v1/models, /health){'; API key required' if args.api_key else ''}", flush=True)

@@ -2,16 +2,18 @@
 
 ``generate(model, input_ids, max_new_tokens=…, do_sample=False, …)`` is the public entry and,
 like HF, returns the prompt followed by the new tokens, [B, S+N] int32. ``Generator`` keeps the
-compiled graphs between calls and returns per-row text and finish reasons (the server uses it).
+compiled graphs between calls and returns per-row text and finish reasons. Both run a
+``SlotBatch``: rows join between decode steps and leave when they end (the server keeps one
+running; ``generate`` joins every prompt at once).
 
 Token choice happens on the host in numpy, in HF's order: repetition penalty → temperature →
-top-k → top-p → greedy argmax or a draw. The graphs compile once per (batch, cache length):
-prefill with a dynamic sequence axis, decode with static shapes (a dynamic decode graph runs
-~4× slower on CPU). The cache length is the prompt plus ``max_new_tokens`` rounded up to
-``CACHE_BLOCK``, so nearby requests share graphs.
+top-k → top-p → greedy argmax or a draw. Prefill has a dynamic shape (it compiles once); decode
+has static shapes (a dynamic decode graph runs ~4× slower on CPU) and compiles once per (rows,
+cache length) bucket: rows are a power of two, the length a ``cache_length`` bucket.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, ops
 from tqdm import tqdm
 
 from mindqwen.models.kv_cache import CachedStep, CacheLayout, model_dtype
@@ -181,14 +183,18 @@ class RowResult:
 
 
 class _Row:
-    """Host-side state of one row while generating."""
+    """Host-side state of one row while generating; ``key`` is the caller's name for it."""
 
-    def __init__(self, prompt: np.ndarray, config: GenerationConfig, tokenizer, output_filter):
-        self.config, self.tokenizer, self.filter = config, tokenizer, output_filter
+    def __init__(self, prompt: Sequence[int], config: GenerationConfig, key, tokenizer, output_filter):
+        self.prompt, self.config, self.key = [int(t) for t in prompt], config, key
+        self.tokenizer, self.filter = tokenizer, output_filter
         self.rng = np.random.default_rng(config.seed)
-        self.seen = list(prompt)
+        self.seen = list(self.prompt)
         self.tokens: List[int] = []
+        self.cached = 0  # tokens of this row in the KV cache (its next position id)
+        self.slot = 0  # the cache slot its next token's keys/values go to
         self.finish: Optional[str] = None
+        self.error: Optional[Exception] = None  # choosing a token failed: the row ends with it
         self.text, self.emitted = "", 0
         self.logprobs: Optional[List[TokenLogprob]] = [] if config.top_logprobs is not None else None
 
@@ -235,6 +241,189 @@ class _Row:
         delta, self.emitted = self.text[self.emitted:end], max(self.emitted, end)
         return delta
 
+    def result(self) -> RowResult:
+        return RowResult(self.tokens, self.text if self.tokenizer is not None else None, self.finish or "length",
+                         self.logprobs)
+
+    def writes_left(self) -> int:
+        """Cache slots this row still writes: every token it will choose but the last."""
+        return self.config.max_new_tokens - max(len(self.tokens), 1)
+
+
+class SlotBatch:
+    """The running decode batch: rows join between steps and leave as soon as they end.
+
+    Each row of the cache (L, R, KV, C, D) holds one request: its prompt in slots [S - n, S)
+    (left-padded to the longest prompt S it was prefilled with), then one slot per decode step
+    at its own write pointer ``row.slot`` (``cache_position`` is per row), so rows that joined at
+    different times share one static shape. Position ids count a row's own tokens: a row in a
+    batch computes what it computes alone. Joining prompts are prefilled together into a fresh
+    cache and gathered into free rows.
+
+    R is a power of two (at most ``max_rows``) and C a ``cache_length`` bucket that every row can
+    finish in, so the decode graph compiles once per (R, C); both shrink when rows leave.
+
+    Args:
+        generator: the ``Generator`` whose graphs and tokenizer the rows use.
+        max_rows: rows at most.
+    """
+
+    def __init__(self, generator: "Generator", max_rows: int):
+        self.gen, self.max_rows = generator, max_rows
+        self.max_positions = generator.model.config.max_position_embeddings
+        self.rows: List[Optional[_Row]] = []  # one per cache row; None = free
+        self.k = self.v = None  # (L, R, KV, C, D) in the model's dtype
+        self.mask = np.zeros((0, 0), np.int32)  # (R, C): 1 = a real token in that slot
+        self.done: List[_Row] = []
+
+    @property
+    def active(self) -> List[_Row]:
+        return [r for r in self.rows if r is not None]
+
+    @property
+    def room(self) -> int:
+        return self.max_rows - len(self.active)
+
+    def join(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig], keys: Sequence,
+             on_token: Optional[TokenCallback] = None) -> None:
+        """Prefill ``prompts`` into free rows and choose their first tokens (``on_token(key, …)``).
+
+        Raises ValueError, before anything changes, if a prompt is empty or does not fit the
+        model's positions with its ``max_new_tokens``, or if there is no room.
+        """
+        rows = [_Row(p, c, key, self.gen.tokenizer, self.gen.filter) for p, c, key in zip(prompts, configs, keys)]
+        for row in rows:
+            n, m = len(row.prompt), row.config.max_new_tokens
+            if n == 0:
+                raise ValueError(f"prompt {row.key!r} is empty: every prompt needs at least one token")
+            if n + m > self.max_positions:
+                raise ValueError(f"prompt {row.key!r}: {n} tokens + max_new_tokens {m} exceeds the model's "
+                                 f"max_position_embeddings ({self.max_positions})")
+        if sum(r.config.max_new_tokens > 0 for r in rows) > self.room:
+            raise ValueError(f"{len(rows)} prompts cannot join: room for {self.room}")
+        self.done += [r for r in rows if r.config.max_new_tokens == 0]
+        rows = [r for r in rows if r.config.max_new_tokens > 0]
+        if not rows:
+            return
+        s = max(len(r.prompt) for r in rows)
+        length = cache_length(max([s + r.writes_left() for r in rows] +
+                                  [r.slot + r.writes_left() for r in self.active]))
+        logits, k, v, mask = self._prefill(rows, s, length)  # first: a failure changes nothing
+        self._relayout(self.active + rows, length, (k, v, mask))
+        logits = logits.asnumpy()
+        for i, row in enumerate(rows):
+            row.cached, row.slot = len(row.prompt), s
+            self._choose(row, logits[i], on_token)
+        self._leave()
+
+    def step(self, on_token: Optional[TokenCallback] = None, cancelled: Optional[Callable] = None) -> None:
+        """One decode step for every row; ``cancelled(key)`` is asked first and ends a row."""
+        for row in self.active:
+            if cancelled is not None and cancelled(row.key):
+                row.finish = "cancelled"
+        self._leave()
+        if not self.active:
+            return
+        ids, positions, slots = (np.zeros((len(self.rows), 1), np.int32) for _ in range(3))
+        for i, row in enumerate(self.rows):
+            if row is not None:  # free rows write slot 0 of their (masked-out) copy
+                ids[i, 0], positions[i, 0], slots[i, 0] = row.tokens[-1], row.cached, row.slot
+                self.mask[i, row.slot] = 1
+        logits, self.k, self.v = self.gen.decode(Tensor(ids), Tensor(positions), Tensor(self.mask),
+                                                 Tensor(slots), self.k, self.v)
+        logits = logits.asnumpy()
+        for i, row in enumerate(self.rows):
+            if row is not None:
+                row.cached, row.slot = row.cached + 1, row.slot + 1
+                self._choose(row, logits[i], on_token)
+        self._leave()
+
+    def pop_finished(self) -> List[_Row]:
+        """Rows that ended since the last call (``row.key``, ``row.result()``, ``row.error``)."""
+        done, self.done = self.done, []
+        return done
+
+    def _choose(self, row: _Row, logits: np.ndarray, on_token: Optional[TokenCallback]) -> None:
+        try:
+            tok, delta = row.step(logits)
+        except Exception as e:  # noqa: BLE001 - host-side: the row's own failure, not the batch's
+            row.error, row.finish = e, "error"
+            return
+        if on_token is not None:
+            on_token(row.key, tok, delta)
+
+    def _prefill(self, rows: List[_Row], s: int, length: int):
+        """Prefill ``rows`` left-padded into slots [0, s) of a fresh (L, k, KV, length, D) cache."""
+        ids = np.zeros((len(rows), s), np.int32)
+        positions = np.zeros_like(ids)
+        mask = np.zeros((len(rows), length), np.int32)
+        for i, row in enumerate(rows):
+            n = len(row.prompt)
+            ids[i, s - n:], positions[i, s - n:], mask[i, s - n:s] = row.prompt, np.arange(n), 1
+        layout = CacheLayout.of(self.gen.model.config, len(rows), length)
+        slots = np.tile(np.arange(s, dtype=np.int32), (len(rows), 1))
+        logits, k, v = self.gen.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
+                                        layout.zeros(self.gen.dtype), layout.zeros(self.gen.dtype))
+        return logits, k, v, mask
+
+    def _leave(self) -> None:
+        """Move ended rows to ``done``; shrink the cache if the rows left need less."""
+        for i, row in enumerate(self.rows):
+            if row is not None and row.finish is not None:
+                self.done.append(row)
+                self.rows[i], self.mask[i] = None, 0
+        live = self.active
+        if not live:
+            self.rows, self.k, self.v, self.mask = [], None, None, np.zeros((0, 0), np.int32)
+            return
+        length = cache_length(max(r.slot + r.writes_left() for r in live))
+        if _rows_bucket(len(live), self.max_rows) < len(self.rows) or length < self.mask.shape[1]:
+            self._relayout(live, length)
+
+    def _relayout(self, live: List[_Row], length: int, joining=None) -> None:
+        """Rebuild the cache with the rows ``live`` (those present, then the ``joining``
+        (k, v, mask) rows) first, ``length`` slots each."""
+        rows = _rows_bucket(len(live), self.max_rows)
+        present = [i for i, r in enumerate(self.rows) if r is not None]
+        k, v, mask = [], [], []
+        if present:
+            k.append(_fit_slots(self.k, length, 3))
+            v.append(_fit_slots(self.v, length, 3))
+            mask.append(_fit_slots(self.mask, length, 1))
+        if joining is not None:
+            k.append(joining[0]), v.append(joining[1]), mask.append(joining[2])
+        offset = len(self.rows) if present else 0
+        take = present + list(range(offset, offset + len(live) - len(present)))
+        take += [take[0]] * (rows - len(take))  # free rows: any data, masked out
+        index = Tensor(np.array(take, np.int32))
+        self.k = ops.gather(ops.cat(k, 1) if len(k) > 1 else k[0], index, 1)
+        self.v = ops.gather(ops.cat(v, 1) if len(v) > 1 else v[0], index, 1)
+        self.mask = np.concatenate(mask)[take]
+        self.mask[len(live):] = 0
+        self.rows = live + [None] * (rows - len(live))
+
+
+def cache_length(n: int) -> int:
+    """The cache length bucket for ``n`` slots: multiples of CACHE_BLOCK up to 256, then a
+    quarter of the power of two below (320, 384, …, 640, 768, …): at most 25% unused."""
+    return _round_up(n, max(CACHE_BLOCK, 1 << max((n - 1).bit_length() - 3, 0)))
+
+
+def _rows_bucket(n: int, max_rows: int) -> int:
+    return min(1 << max(n - 1, 0).bit_length(), max_rows)
+
+
+def _fit_slots(x, length: int, axis: int):
+    """``x`` (numpy or MindSpore) cut or zero-padded to ``length`` slots along ``axis`` (the
+    slots cut are past every row's write pointer: empty)."""
+    n = x.shape[axis]
+    if n > length:
+        return x[(slice(None),) * axis + (slice(0, length),)]
+    if n == length:
+        return x
+    cat, zeros = (np.concatenate, np.zeros) if isinstance(x, np.ndarray) else (ops.cat, ops.zeros)
+    return cat((x, zeros(x.shape[:axis] + (length - n,) + x.shape[axis + 1:], dtype=x.dtype)), axis)
+
 
 class Generator:
     """Batched KV-cache generation over one model, keeping its compiled graphs.
@@ -257,78 +446,47 @@ class Generator:
     def run(self, prompts: Sequence[Sequence[int]], configs: Union[GenerationConfig, Sequence[GenerationConfig]],
             on_token: Optional[TokenCallback] = None, progress: bool = False,
             cancelled: Optional[Callable[[int], bool]] = None) -> List[RowResult]:
-        """Generate for each prompt (lists of ids, any lengths: they are left-padded together).
+        """Generate for each prompt (lists of ids, any lengths) in one ``SlotBatch``.
 
-        ``cancelled(row)`` is asked before every step; a row it answers True for ends there
-        (finish reason ``cancelled``), and the batch ends when every row has.
+        ``on_token(row, token, text)`` streams; ``cancelled(row)`` is asked before every decode
+        step, and a row it answers True for ends there (finish reason ``cancelled``).
         """
-        if not len(prompts) or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        if not len(prompts):
+            raise ValueError("no prompts to generate for")
         if isinstance(configs, GenerationConfig):
             configs = [configs] * len(prompts)
-        needs_text = any(c.stop_strings for c in configs) or self.filter is not None
-        if needs_text and self.tokenizer is None:
+        if self.tokenizer is None and (self.filter is not None or any(c.stop_strings for c in configs)):
             raise ValueError("stop_strings and output filters work on text: pass a tokenizer")
-        s = max(len(p) for p in prompts)
-        ids = np.zeros((len(prompts), s), np.int32)
-        mask = np.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, s - len(p):], mask[i, s - len(p):] = p, 1
-        rows = [_Row(np.asarray(p), c, self.tokenizer, self.filter) for p, c in zip(prompts, configs)]
+        batch = SlotBatch(self, len(prompts))
+        with self.graph_mode(), tqdm(total=max(c.max_new_tokens for c in configs), desc="generating",
+                                     unit="tok", disable=not progress) as bar:
+            batch.join(prompts, configs, range(len(prompts)), on_token)
+            bar.update()
+            while batch.active:
+                batch.step(on_token, cancelled)
+                bar.update()
+        rows = sorted(batch.pop_finished(), key=lambda r: r.key)
+        for row in rows:
+            if row.error is not None:
+                raise row.error
+        return [row.result() for row in rows]
+
+    @contextlib.contextmanager
+    def graph_mode(self):
+        """The step graphs compile whatever mode the caller is in; the caller's mode comes back."""
         mode = ms.get_context("mode")
-        ms.set_context(mode=ms.GRAPH_MODE)  # the step graphs compile whatever mode the caller is in
+        ms.set_context(mode=ms.GRAPH_MODE)
         try:
-            self.decode_loop(ids, mask, rows, on_token, progress, cancelled)
+            yield
         finally:
             ms.set_context(mode=mode)
-        return [RowResult(r.tokens, r.text if self.tokenizer is not None else None, r.finish or "length", r.logprobs)
-                for r in rows]
-
-    def decode_loop(self, ids: np.ndarray, mask: np.ndarray, rows: List[_Row],
-                    on_token: Optional[TokenCallback], progress: bool,
-                    cancelled: Optional[Callable[[int], bool]] = None) -> None:
-        """Prefill the left-padded batch ``ids``/``mask`` (B, S), then decode until every row ends."""
-        b, s = ids.shape
-        steps = max(r.config.max_new_tokens for r in rows)
-        if steps == 0:
-            return
-        max_pos = self.model.config.max_position_embeddings
-        if s + steps > max_pos:
-            raise ValueError(f"prompt ({s}) + max_new_tokens ({steps}) exceeds the model's "
-                             f"max_position_embeddings ({max_pos})")
-        layout = CacheLayout.of(self.model.config, b, min(_round_up(s + steps, CACHE_BLOCK), max_pos))
-        slots = np.zeros((b, layout.max_len), np.int32)
-        slots[:, :s] = mask
-        positions = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
-        logits, k, v = self.prefill(Tensor(ids), Tensor(positions), Tensor(slots),
-                                    Tensor(np.arange(s, dtype=np.int32)), layout.zeros(self.dtype),
-                                    layout.zeros(self.dtype))
-        next_pos = positions[:, -1:] + 1  # (B, 1)
-        for i in tqdm(range(steps), desc="generating", unit="tok", disable=not progress):
-            logits_np = logits.asnumpy()
-            tokens = np.empty((b, 1), np.int32)
-            for r, row in enumerate(rows):
-                if row.finish is None and cancelled is not None and cancelled(r):
-                    row.finish = "cancelled"
-                if row.finish is not None:
-                    tokens[r, 0] = row.config.pad_id
-                    continue
-                tokens[r, 0], delta = row.step(logits_np[r])
-                if on_token is not None:
-                    on_token(r, int(tokens[r, 0]), delta)
-            if all(row.finish is not None for row in rows) or i == steps - 1:
-                break
-            slots[:, s + i] = 1
-            logits, k, v = self.decode(Tensor(tokens), Tensor(next_pos), Tensor(slots),
-                                       Tensor(np.array([s + i], np.int32)), k, v)
-            next_pos = next_pos + 1
 
 
 def _dynamic_prefill_inputs(dtype) -> tuple:
     """Input signature of the prefill graph: any batch, sequence and cache length."""
     i32 = ms.int32
     return (Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
-            Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None], dtype=i32),
+            Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
             Tensor(shape=[None] * 5, dtype=dtype), Tensor(shape=[None] * 5, dtype=dtype))
 
 

@@ -58,8 +58,8 @@ def test_export_writes_graphs_that_reproduce_hf_logits(tmp_path):
     cache = np.zeros((2, 2, 2, 32, 32), np.float32)  # layers, batch, KV heads, slots, head_dim
     mask = np.zeros((2, 32), np.int32)
     mask[:, :16] = 1
-    logits = graph(*map(ms.Tensor, (ids, np.tile(np.arange(16, dtype=np.int32), (2, 1)), mask,
-                                    np.arange(16, dtype=np.int32), cache, cache)))[0].asnumpy()
+    positions = np.tile(np.arange(16, dtype=np.int32), (2, 1))  # also each row's cache slots
+    logits = graph(*map(ms.Tensor, (ids, positions, mask, positions, cache, cache)))[0].asnumpy()
     np.testing.assert_allclose(logits, ref["logits"][:, -1], atol=5e-5)
 
 
@@ -87,8 +87,8 @@ def test_export_of_a_finished_recipe_run_is_the_trained_lora_model(tmp_path):
     cache = np.zeros((2, 1, 2, 32, 16), np.float32)  # layers, batch, KV heads, slots, head_dim
     mask = np.zeros((1, 32), np.int32)
     mask[:, :16] = 1
-    logits = graph(*map(ms.Tensor, (ids, np.arange(16, dtype=np.int32)[None], mask, np.arange(16, dtype=np.int32),
-                                    cache, cache)))[0].asnumpy()
+    positions = np.arange(16, dtype=np.int32)[None]  # also the row's cache slots
+    logits = graph(*map(ms.Tensor, (ids, positions, mask, positions, cache, cache)))[0].asnumpy()
     np.testing.assert_allclose(logits, want, atol=5e-5)
     with pytest.raises(AssertionError, match="--dtype is for an HF folder"):
         cli("export", str(recipe), "--dtype", "float16")

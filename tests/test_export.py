@@ -113,7 +113,7 @@ def test_converter_config_parses_with_the_recipe_values():
     assert {(g[0], g[1]) for g in gears} == {(b, s) for b in "148" for s in ("128", "512", "2048")}
     decode = configparser.ConfigParser()
     decode.read(os.path.join(FIXTURES, "lite_golden", "decode.cfg"))
-    assert decode["acl_build_options"]["ge.dynamicDims"] == "1,1,1,1,1;4,4,4,4,4;8,8,8,8,8"
+    assert decode["acl_build_options"]["ge.dynamicDims"] == "1,1,1,1,1,1;4,4,4,4,4,4;8,8,8,8,8,8"
 
 
 def test_failed_export_leaves_nothing_and_keeps_the_old_export(qwen2_lora_export, tmp_path, monkeypatch):

@@ -7,8 +7,8 @@ from mindspore import Tensor
 
 from conftest import MODELS, fixture_path, reference
 from mindqwen import QwenConfig, QwenForCausalLM, apply_lora, from_pretrained, merge_lora
-from mindqwen.generation import (GenerationConfig, Generator, OutputFilter, choose_token, generate,
-                               process_logits, softmax)
+from mindqwen.generation import (GenerationConfig, Generator, OutputFilter, SlotBatch, cache_length,
+                                 choose_token, generate, process_logits, softmax)
 from mindqwen.lora import LoraConfig, lora_layers
 from mindqwen.models.kv_cache import CachedStep, CacheLayout
 
@@ -21,14 +21,14 @@ def _cached_logits(model, ids, mask, new_tokens):
     slots[:, :s] = mask
     pos = np.maximum(np.cumsum(mask, 1) - 1, 0).astype(np.int32)
     step = CachedStep(model)
-    out, k, v = step(Tensor(ids), Tensor(pos), Tensor(slots), Tensor(np.arange(s, dtype=np.int32)),
+    out, k, v = step(Tensor(ids), Tensor(pos), Tensor(slots), Tensor(np.tile(np.arange(s, dtype=np.int32), (b, 1))),
                      layout.zeros(), layout.zeros())
     logits = [out.asnumpy()]
     nxt = pos[:, -1:] + 1
     for i in range(new_tokens.shape[1]):
         slots[:, s + i] = 1
         out, k, v = step(Tensor(new_tokens[:, i:i + 1]), Tensor(nxt + i), Tensor(slots),
-                         Tensor(np.array([s + i], np.int32)), k, v)
+                         Tensor(np.full((b, 1), s + i, np.int32)), k, v)
         logits.append(out.asnumpy())
     return logits
 
@@ -89,6 +89,55 @@ def test_batched_left_padded_generation_equals_rows(name):
         alone = generate(model, [p], max_new_tokens=8)
         assert np.array_equal(batched[i, 16 - len(p):], alone[0]), i
         assert (batched[i, :16 - len(p)] == 0).all()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_rows_joining_and_leaving_a_running_batch_compute_what_they_compute_alone(name):
+    """Continuous batching: A decodes; B (a prompt longer than A's tokens so far, so the two
+    rows write at different slots) joins after two steps; C and D join one step later; D is cancelled after
+    three tokens. A reproduces HF's greedy tokens, C's first log-probabilities HF's logits, and B
+    and C every token and log-probability of their single-row runs (≤ 1e-5)."""
+    model = from_pretrained(fixture_path(name, "base"))
+    ref = reference(name)
+    ids, hf_tokens = ref["input_ids"], ref["gen_ids"][0, 16:].tolist()
+    prompts = {"A": ref["gen_ids"][0, :16].tolist(), "B": np.concatenate([ids[1], ids[0], ids[1, :8]]).tolist(),
+               "C": ids[1, :5].tolist(), "D": ids[1, :9].tolist()}
+    configs = {"A": GenerationConfig(max_new_tokens=len(hf_tokens)),
+               "B": GenerationConfig(max_new_tokens=6, top_logprobs=2),
+               "C": GenerationConfig(max_new_tokens=12, top_logprobs=2), "D": GenerationConfig(max_new_tokens=30)}
+    generator, tokens = Generator(model), {k: [] for k in prompts}
+    batch = SlotBatch(generator, max_rows=4)
+
+    def join(*keys):
+        batch.join([prompts[k] for k in keys], [configs[k] for k in keys], keys,
+                   lambda key, tok, _text: tokens[key].append(tok))
+
+    def step():
+        batch.step(lambda key, tok, _text: tokens[key].append(tok), lambda key: key == "D" and len(tokens["D"]) == 3)
+        rows = len(batch.rows)
+        assert rows == 0 or (rows & (rows - 1) == 0 and batch.mask.shape[1] == cache_length(batch.mask.shape[1]))
+    with generator.graph_mode():
+        join("A")
+        step(), step()
+        join("B")
+        assert {r.key: r.slot for r in batch.active} == {"A": 18, "B": len(prompts["B"])}  # own pointers
+        step()
+        join("C", "D")
+        while batch.active:
+            step()
+    done = {row.key: row for row in batch.pop_finished()}
+    assert sorted(done) == ["A", "B", "C", "D"] and not batch.rows
+    assert done["A"].tokens == tokens["A"] == hf_tokens
+    assert done["D"].finish == "cancelled" and done["D"].tokens == tokens["D"] and len(tokens["D"]) == 3
+    hf_first = ref["logits"][1, 4].astype(np.float64)
+    hf_first = hf_first - hf_first.max() - np.log(np.exp(hf_first - hf_first.max()).sum())
+    assert abs(done["C"].logprobs[0][1] - hf_first[done["C"].tokens[0]]) < 1e-4
+    for key in "BC":
+        alone = generator.run([prompts[key]], configs[key])[0]
+        assert done[key].tokens == tokens[key] == alone.tokens, key
+        for (tok, lp, top), (tok_a, lp_a, top_a) in zip(done[key].logprobs, alone.logprobs):
+            assert tok == tok_a and abs(lp - lp_a) < 1e-5 and [t for t, _ in top] == [t for t, _ in top_a], key
+            assert np.allclose([p for _, p in top], [p for _, p in top_a], atol=1e-5), key
 
 
 def test_lora_generation_equals_merged():

@@ -35,23 +35,60 @@ def _post(server, path, body, raw=None):
 
 
 def _gate(server):
-    """Hold the worker before its next batch until ``gate`` is set; ``held`` is set once it waits."""
-    gate, held, run = threading.Event(), threading.Event(), server.worker._run
-    server.worker._run = lambda batch: (held.set(), gate.wait(), run(batch))
+    """Hold the worker before it next admits requests until ``gate`` is set; ``held`` is set once
+    it waits. Once through, it takes what queued up meanwhile, so all of it joins at once."""
+    worker = server.worker
+    gate, held, admit = threading.Event(), threading.Event(), worker._admit
+    worker._admit = lambda: (held.set(), gate.wait(), worker._take(block=False), admit())[-1]
     return gate, held
+
+
+def _slow_steps(server, seconds):
+    """Make every decode step take at least ``seconds`` (so requests overlap on the tiny model)."""
+    step = server.worker._step
+    server.worker._step = lambda: (time.sleep(seconds), step())
+
+
+def _hold(server, step, condition, what):
+    """Before its decode step number ``step`` (from 0), the worker sets the returned event and
+    waits until ``condition()``."""
+    worker, count, run, holding = server.worker, [0], server.worker._step, threading.Event()
+
+    def held():
+        if count[0] == step:
+            holding.set()
+            wait_until(condition, what)
+        count[0] += 1
+        run()
+    worker._step = held
+    return holding
+
+
+def _queued(server):
+    return server.worker.queue.qsize() + len(server.worker.waiting)
+
+
+def _alone(generator, prompt, max_new_tokens):
+    return generator.run([prompt if isinstance(prompt, list) else ByteTokenizer().encode(prompt)],
+                         GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=0))[0]
 
 
 PROMPTS = ["hello", "a longer prompt here", "xyz", "mindspore on ascend", "q", "tokens!"]
 
 
 def test_concurrent_requests_are_batched_and_equal_single_requests(generator):
-    server = _server(generator, max_batch_size=8, batch_timeout_ms=2000)
+    server = _server(generator, max_batch_size=8)
+    gate, held = _gate(server)
     try:
         results = {}
         threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, _post(
             server, "/v1/completions", {"prompt": p, "max_tokens": 6}))) for p in PROMPTS]
         for t in threads:
             t.start()
+        assert held.wait(timeout=300)  # the worker took the first request and waits at the gate
+        wait_until(lambda: server.worker.queue.qsize() + len(server.worker.waiting) == len(PROMPTS),
+                   "the others are queued")
+        gate.set()  # all six join the batch at once
         for t in threads:
             t.join()
         conn = http.client.HTTPConnection(*server.address)
@@ -62,7 +99,7 @@ def test_concurrent_requests_are_batched_and_equal_single_requests(generator):
         for p in PROMPTS:
             code, body = results[p]
             assert code == 200, body
-            alone = generator.run([ByteTokenizer().encode(p)], GenerationConfig(max_new_tokens=6, eos_token_id=0))[0]
+            alone = _alone(generator, p, 6)
             choice = json.loads(body)["choices"][0]
             assert choice["text"] == alone.text and choice["finish_reason"] == alone.finish_reason
             assert json.loads(body)["usage"]["completion_tokens"] == len(alone.tokens)
@@ -145,8 +182,9 @@ def test_every_bad_request_gets_its_4xx_in_openai_shape_and_the_server_stays_hea
 
 def test_two_requests_that_fit_alone_never_fail_together(generator):
     """A 200-token prompt with 8 new tokens and a 13-token prompt with 200 new tokens each fit the
-    256 positions; queued together they go into separate batches, and both succeed."""
-    server = _server(generator, max_batch_size=8, batch_timeout_ms=0)
+    256 positions; queued together they join one batch (its cache longer than the positions), and
+    each gets exactly its single-request answer."""
+    server = _server(generator, max_batch_size=8)
     gate, held = _gate(server)
     results = []
     first = threading.Thread(target=lambda: results.append(_post(server, "/v1/completions", {"prompt": "q"})))
@@ -163,7 +201,79 @@ def test_two_requests_that_fit_alone_never_fail_together(generator):
         t.join(timeout=300)
     try:
         assert sorted(code for code, _ in results) == [200, 200, 200], results
-        assert sorted(json.loads(b)["usage"]["prompt_tokens"] for _, b in results) == [1, 13, 200]
+        replies = {json.loads(b)["usage"]["prompt_tokens"]: json.loads(b) for _, b in results}
+        assert sorted(replies) == [1, 13, 200]
+        for body in bodies:
+            alone = _alone(generator, body["prompt"], body["max_tokens"])
+            reply = replies[len(body["prompt"])]
+            assert reply["choices"][0]["text"] == alone.text
+            assert reply["usage"]["completion_tokens"] == len(alone.tokens)
+        assert 2 in server.worker.batch_sizes  # they did decode together
+    finally:
+        server.shutdown()
+
+
+def test_requests_join_a_running_batch_and_get_their_single_answers(generator):
+    """Continuous batching: the worker holds the long request's fourth step until five others
+    are queued; they join its batch, finish and leave before it ends; every answer equals the
+    request alone."""
+    server = _server(generator, max_batch_size=8)
+    holding = _hold(server, 3, lambda: _queued(server) == 5, "the five others are queued")
+    long = {"prompt": "a long story", "max_tokens": 60, "temperature": 0}
+    others = [{"prompt": p, "max_tokens": 5 + i, "temperature": 0} for i, p in enumerate(PROMPTS[:5])]
+    try:
+        conn = http.client.HTTPConnection(*server.address, timeout=300)
+        conn.request("POST", "/v1/completions", body=json.dumps({**long, "stream": True}))
+        response = conn.getresponse()
+        assert holding.wait(timeout=300)  # the long request has decoded three tokens
+        done = []
+        threads = [threading.Thread(target=lambda b=b: done.append((b, _post(server, "/v1/completions", b))))
+                   for b in others]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        events = response.read().decode()
+        conn.close()
+        assert len(done) == len(others) and all(code == 200 for _, (code, _) in done)
+        for body, (_, reply) in done:
+            alone = _alone(generator, body["prompt"], body["max_tokens"])
+            assert json.loads(reply)["choices"][0]["text"] == alone.text, body
+        chunks = [json.loads(e[len("data: "):]) for e in events.split("\n\n") if e.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == _alone(generator, long["prompt"], 60).text
+        sizes = server.worker.batch_sizes
+        assert sizes[:4] == [1, 1, 1, 1] and sizes[4] == 6 and sizes[-1] == 1, sizes  # joined mid-run, left first
+    finally:
+        server.shutdown()
+
+
+def test_a_request_arriving_mid_decode_gets_its_first_token_before_the_long_one_ends(generator):
+    """Time to first token under continuous batching: a short streamed request sent while a
+    60-token one decodes (the worker holds the long one's fourth step until it is queued) has
+    its first token, and its whole answer, before the long one ends."""
+    server = _server(generator, max_batch_size=4)
+    holding = _hold(server, 3, lambda: _queued(server) == 1, "the short request is queued")
+    times = {}
+
+    def stream(name, body):
+        conn = http.client.HTTPConnection(*server.address, timeout=300)
+        times[name + " sent"] = time.monotonic()
+        conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True, "temperature": 0}))
+        response = conn.getresponse()
+        for line in response.fp:
+            if line.startswith(b"data: {") and name + " first" not in times:
+                times[name + " first"] = time.monotonic()
+        times[name + " end"] = time.monotonic()
+        conn.close()
+    try:
+        long = threading.Thread(target=stream, args=("long", {"prompt": "a long story", "max_tokens": 60}))
+        long.start()
+        assert holding.wait(timeout=300)  # the long request has decoded three tokens
+        stream("short", {"prompt": "hi", "max_tokens": 3})
+        long.join(timeout=300)
+        assert times["short first"] < times["short end"] < times["long end"], times
+        sizes = server.worker.batch_sizes
+        assert sizes[:4] == [1, 1, 1, 1] and sizes[4] == 2 and sizes[-1] == 1, sizes
     finally:
         server.shutdown()
 
@@ -177,7 +287,7 @@ def wait_until(condition, what, timeout=300.0):
 
 
 def test_full_queue_gets_503_and_shutdown_finishes_in_flight_requests(generator):
-    server = _server(generator, max_batch_size=1, batch_timeout_ms=0, max_queue=1)
+    server = _server(generator, max_batch_size=1, max_queue=1)
     gate, held = _gate(server)
     results = []
     threads = [threading.Thread(target=lambda p=p: results.append(_post(server, "/v1/completions", {"prompt": p})))
@@ -285,17 +395,12 @@ def test_stop_strings_are_left_out_of_the_text_streamed_or_not(generator):
 
 
 def test_a_client_that_disconnects_frees_its_row_at_the_next_step(generator):
-    server = _server(generator)
-    finished = []
-    run = server.worker.generator.run
-
-    def recording(*args, **kwargs):  # 20 ms a token: 200 tokens would take 4 s
-        on_token = kwargs["on_token"]
-        kwargs["on_token"] = lambda *a: (time.sleep(0.02), on_token(*a))
-        results = run(*args, **kwargs)
-        finished.extend(r.finish_reason for r in results)
-        return results
-    server.worker.generator.run = recording
+    """One row, 20 ms a step: the abandoned 200-token request would hold it for 4 s more; the
+    next request is answered in well under that, and the abandoned row ended ``cancelled``."""
+    server = _server(generator, max_batch_size=1)
+    _slow_steps(server, 0.02)
+    finished, pop = [], server.worker.batch.pop_finished
+    server.worker.batch.pop_finished = lambda: [finished.append(r) or r for r in pop()]
     try:
         conn = http.client.HTTPConnection(*server.address, timeout=300)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "long", "max_tokens": 200, "stream": True,
@@ -304,13 +409,13 @@ def test_a_client_that_disconnects_frees_its_row_at_the_next_step(generator):
         response.fp.readline()  # the first event: generation is under way
         response.close()  # the client goes away (both references to the socket)
         conn.close()
-        wait_until(lambda: finished, "the abandoned generation ends")
-        assert finished == ["cancelled"]
+        start = time.monotonic()
         code, _ = _post(server, "/v1/completions", {"prompt": "next"})
-        assert code == 200
+        latency = time.monotonic() - start
+        assert code == 200 and latency < 2.0, latency
+        assert finished[0].finish == "cancelled" and len(finished[0].tokens) < 100
     finally:
         server.shutdown()
-        del generator.run  # the fixture is shared: back to the class's method
 
 
 def test_logprobs_n_and_echo(generator):

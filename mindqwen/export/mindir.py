@@ -72,7 +72,7 @@ def graph_inputs(config: QwenConfig, max_seq_len: int, seq_len: Optional[int], d
     """Input signature of the step graph; ``seq_len`` None = dynamic (-1). Batch is dynamic."""
     layout = CacheLayout.of(config, -1, max_seq_len)
     t = -1 if seq_len is None else seq_len
-    shapes = ([-1, t], [-1, t], [-1, max_seq_len], [t], list(layout.shape), list(layout.shape))
+    shapes = ([-1, t], [-1, t], [-1, max_seq_len], [-1, t], list(layout.shape), list(layout.shape))
     dtypes = ("int32",) * 4 + (dtype, dtype)
     return [{"name": n, "shape": s, "dtype": d} for n, s, d in zip(INPUT_NAMES, shapes, dtypes)]
 

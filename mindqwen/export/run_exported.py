@@ -76,7 +76,8 @@ def generate(run, manifest, prompts, max_new_tokens):
     positions = np.maximum(np.cumsum(mask[:, :s], 1) - 1, 0).astype(np.int32)
     shape = [d if d >= 0 else batch for d in manifest["cache"]["shape"]]
     cache = np.zeros(shape, {"float32": np.float32, "float16": np.float16}[manifest["dtype"]])
-    logits, k, v = run("prefill", [ids, positions, mask, np.arange(s, dtype=np.int32), cache, cache])
+    slots = np.tile(np.arange(s, dtype=np.int32), (batch, 1))  # (B, S): every row fills 0..S-1
+    logits, k, v = run("prefill", [ids, positions, mask, slots, cache, cache])
     eos = manifest["generation"].get("eos_token_id")
     eos = set(np.atleast_1d(eos).tolist()) if eos is not None else set()
     tokens, steps, done = [], [], np.zeros(batch, bool)
@@ -89,7 +90,7 @@ def generate(run, manifest, prompts, max_new_tokens):
         if done[:rows].all() or i == max_new_tokens - 1:
             break
         mask[:, s + i] = 1
-        logits, k, v = run("decode", [nxt[:, None], pos + i, mask, np.array([s + i], np.int32), k, v])
+        logits, k, v = run("decode", [nxt[:, None], pos + i, mask, np.full((batch, 1), s + i, np.int32), k, v])
     return np.stack(tokens, 1), np.stack(steps)
 
 

@@ -5,12 +5,13 @@ cache slot, head dim. It is an *input and output* of the step graph, not a Param
 so the same graph runs eagerly, exports to MindIR and converts with ``converter_lite`` without
 hidden state; on CPU and Ascend the tensors stay on the device between steps.
 
-Prompts are left-padded to one length S, so every row writes the same slots: the prompt fills
-slots 0..S-1 and decode step i writes slot S+i. ``attention_mask`` (B, MAX) marks which slots
-hold real tokens; ``position_ids`` count real tokens only, so a padded row equals its unpadded self.
+Prompts prefilled together are left-padded to one length S and fill slots 0..S-1; after that
+each row writes at its own pointer, ``cache_position`` (B, T) (a row that joined a running batch
+later is at a lower slot). ``attention_mask`` (B, MAX) marks which slots hold real tokens;
+``position_ids`` count real tokens only, so a padded row equals its unpadded self.
 
-    prefill  input_ids (B, S)  position_ids (B, S)  cache_position = 0..S-1   cache = zeros
-    decode   input_ids (B, 1)  position_ids (B, 1)  cache_position = [S+i]     cache = last output
+    prefill  input_ids (B, S)  position_ids (B, S)  cache_position = 0..S-1 per row  cache = zeros
+    decode   input_ids (B, 1)  position_ids (B, 1)  cache_position = each row's next slot  cache = last output
     both  →  logits (B, V) fp32 at the last position, k_cache, v_cache
 """
 from __future__ import annotations

@@ -191,13 +191,13 @@ class Attention(nn.Cell):
         over the whole cache.
 
         x (B, T, H); cos/sin (B, 1, T, D); mask (B, 1, T, MAX) bool, True = not attended;
-        k_cache/v_cache (B, KV, MAX, D); cache_position (T,) int32, the slots written.
+        k_cache/v_cache (B, KV, MAX, D); cache_position (B, T) int32, the slots each row writes.
         Returns the output (B, T, H) and the updated caches (new tensors: no Parameter state,
         so one graph serves eager generation and the exported MindIR alike).
         """
         q, k, v = self._project(x, cos, sin)
         b, kv, t, d = k.shape
-        slots = ops.broadcast_to(cache_position.reshape(1, 1, t, 1), (b, kv, t, d))
+        slots = ops.broadcast_to(cache_position.reshape(b, 1, t, 1), (b, kv, t, d))
         k_cache = ops.tensor_scatter_elements(k_cache, slots, k.astype(k_cache.dtype), 2)
         v_cache = ops.tensor_scatter_elements(v_cache, slots, v.astype(v_cache.dtype), 2)
         out = self._attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
@@ -347,18 +347,19 @@ class QwenModel(nn.Cell):
 
         input_ids, position_ids (B, T) int32 (positions count real tokens only);
         attention_mask (B, MAX) int32, 1 = a real token in that cache slot (this step's included);
-        cache_position (T,) int32, the slots this step writes (shared by all rows: prompts are
-        left-padded); k_cache/v_cache (L, B, KV, MAX, D).
+        cache_position (B, T) int32, the slots each row writes (its own write pointer, so rows
+        that joined a running batch at different times share one static shape);
+        k_cache/v_cache (L, B, KV, MAX, D).
         Returns the normed hidden states (B, T, H) and the updated caches.
         """
         b, t = input_ids.shape
         slots = ops.arange(0, k_cache.shape[3], dtype=ms.int32)  # (MAX,)
-        query = cache_position.reshape(t, 1)
-        masked = ops.logical_or(slots.reshape(1, -1) > query,  # (T, MAX): future slots
-                                (attention_mask == 0).reshape(b, 1, 1, -1))  # (B, 1, T, MAX)
+        query, slots = cache_position.reshape(b, 1, t, 1), slots.reshape(1, 1, 1, -1)
+        masked = ops.logical_or(slots > query,  # (B, 1, T, MAX): future slots
+                                (attention_mask == 0).reshape(b, 1, 1, -1))
         window_masked = masked
         if self.sliding_window > 0:  # pads sit before every real token, so slot gaps = position gaps
-            window_masked = ops.logical_or(masked, query - slots.reshape(1, -1) >= self.sliding_window)
+            window_masked = ops.logical_or(masked, query - slots >= self.sliding_window)
         cos, sin = self.rotary_emb(position_ids)
         x = self.embed_tokens(input_ids)
         if self.hidden_dtype is not None:

@@ -1,6 +1,6 @@
 """``mindqwen serve``: the OpenAI API over FastAPI + uvicorn (``pip install mindqwen[serve]``).
 
-    GET  /health                 {"status", "queued", "batches": sizes of recent batches}
+    GET  /health                 {"status", "queued", "batches": rows of recent decode steps}
     GET  /v1/models[/{id}]       the served model
     POST /v1/completions         prompt: text, token ids, or a list of them (one choice each)
     POST /v1/chat/completions    messages: {role, content: text | [{"type": "text", ...}]}
@@ -76,7 +76,7 @@ class Server:
     """
 
     def __init__(self, generator: Generator, host: str = "127.0.0.1", port: int = 8000,
-                 max_batch_size: int = 16, batch_timeout_ms: float = 100.0, max_queue: int = 64,
+                 max_batch_size: int = 16, max_queue: int = 64,
                  max_prompt_tokens: int = 2048, defaults: Optional[GenerationConfig] = None,
                  chat_template: str = "qwen2.5", model_name: str = "mindqwen", api_key: Optional[str] = None,
                  max_connections: int = 512, max_body_bytes: int = 1 << 20, keep_alive_s: float = 5.0,
@@ -84,7 +84,7 @@ class Server:
         if generator.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
         self.generator, self.tokenizer = generator, generator.tokenizer
-        self.worker = BatchWorker(generator, max_batch_size, batch_timeout_ms, max_queue)
+        self.worker = BatchWorker(generator, max_batch_size, max_queue)
         self.max_prompt, self.max_body, self.api_key = max_prompt_tokens, max_body_bytes, api_key
         self.max_positions = generator.model.config.max_position_embeddings
         self.vocab_size = generator.model.config.vocab_size

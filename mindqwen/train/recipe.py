@@ -193,7 +193,6 @@ class ServeSection:
     """Attributes:
         host, port: where ``mindqwen serve`` listens.
         max_batch_size: requests decoded together at most.
-        batch_timeout_ms: how long the first queued request waits for others to join its batch.
         max_queue: queued requests beyond which new ones get HTTP 503.
         max_prompt_tokens: longer prompts get HTTP 400.
         max_connections: open connections at most (beyond: HTTP 503).
@@ -205,7 +204,6 @@ class ServeSection:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 16
-    batch_timeout_ms: float = 100.0
     max_queue: int = 64
     max_prompt_tokens: int = 2048
     max_connections: int = 512
@@ -215,9 +213,9 @@ class ServeSection:
 
     def __post_init__(self) -> None:
         if min(self.max_batch_size, self.max_queue, self.max_prompt_tokens, self.max_connections,
-               self.max_body_bytes) < 1 or self.batch_timeout_ms < 0 or self.keep_alive_s <= 0:
+               self.max_body_bytes) < 1 or self.keep_alive_s <= 0:
             raise ValueError("serve: max_batch_size, max_queue, max_prompt_tokens, max_connections and "
-                             "max_body_bytes must be >= 1, batch_timeout_ms >= 0, keep_alive_s > 0")
+                             "max_body_bytes must be >= 1, keep_alive_s > 0")
 
 
 @dataclass
