@@ -41,6 +41,7 @@ def test_loads_with_types_and_overrides(recipe_file):
     (("  r: 8", "  r: 1.5"), [], r"r\.yaml:5: lora\.r must be int, got float 1\.5"),
     (None, ["trainer.precision.level=O5"], r"precision\.level must be one of O0, O1, O2, O3, got 'O5'"),
     (("  target_modules: [q_proj, v_proj]", "  target_modules: 7"), [], r"lora\.target_modules must be"),
+    (None, ["serve.batch_timeout_ms=100"], r"serve\.batch_timeout_ms was removed: serving uses continuous batching"),
 ])
 def test_bad_recipes_name_file_line_and_key(recipe_file, text_change, overrides, match):
     if text_change:

@@ -30,6 +30,11 @@ from mindqwen.train.optim import SCHEDULES
 
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
+# keys recipes used to have: the error says why they went
+REMOVED_KEYS = {
+    "serve.batch_timeout_ms": "serving uses continuous batching (requests join the running batch between "
+                              "decode steps, no window to wait for): delete the key",
+}
 
 
 class RecipeError(ValueError):
@@ -377,6 +382,8 @@ def _checked_fields(cls, raw: dict, path: str, prefix: str, lines: Dict[str, int
     kwargs = {}
     for key, value in raw.items():
         full = prefix + str(key)
+        if full in REMOVED_KEYS:
+            raise RecipeError(f"{_where(path, full, lines)}: {full} was removed: {REMOVED_KEYS[full]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
