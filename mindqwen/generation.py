@@ -261,15 +261,17 @@ class SlotBatch:
     cache and gathered into free rows.
 
     R is a power of two (at most ``max_rows``) and C a ``cache_length`` bucket that every row can
-    finish in, so the decode graph compiles once per (R, C); both shrink when rows leave.
+    finish in, so the decode graph compiles once per (R, C); with ``shrink`` both shrink when rows
+    leave (a long-lived batch; a one-off batch keeps its shape rather than compile more graphs).
 
     Args:
         generator: the ``Generator`` whose graphs and tokenizer the rows use.
         max_rows: rows at most.
+        shrink: rebuild the cache smaller when rows leave.
     """
 
-    def __init__(self, generator: "Generator", max_rows: int):
-        self.gen, self.max_rows = generator, max_rows
+    def __init__(self, generator: "Generator", max_rows: int, shrink: bool = True):
+        self.gen, self.max_rows, self.shrink = generator, max_rows, shrink
         self.max_positions = generator.model.config.max_position_embeddings
         self.rows: List[Optional[_Row]] = []  # one per cache row; None = free
         self.k = self.v = None  # (L, R, KV, C, D) in the model's dtype
@@ -376,6 +378,8 @@ class SlotBatch:
         if not live:
             self.rows, self.k, self.v, self.mask = [], None, None, np.zeros((0, 0), np.int32)
             return
+        if not self.shrink:
+            return
         length = cache_length(max(r.slot + r.writes_left() for r in live))
         if _rows_bucket(len(live), self.max_rows) < len(self.rows) or length < self.mask.shape[1]:
             self._relayout(live, length)
@@ -457,7 +461,7 @@ class Generator:
             configs = [configs] * len(prompts)
         if self.tokenizer is None and (self.filter is not None or any(c.stop_strings for c in configs)):
             raise ValueError("stop_strings and output filters work on text: pass a tokenizer")
-        batch = SlotBatch(self, len(prompts))
+        batch = SlotBatch(self, len(prompts), shrink=False)  # one decode graph for the whole run
         with self.graph_mode(), tqdm(total=max(c.max_new_tokens for c in configs), desc="generating",
                                      unit="tok", disable=not progress) as bar:
             batch.join(prompts, configs, range(len(prompts)), on_token)
