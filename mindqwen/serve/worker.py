@@ -91,8 +91,7 @@ class BatchWorker:
                     self._join(joiners)
                 if self.batch.active:
                     self._step()
-                for row in self.batch.pop_finished():
-                    row.key.put(row.error if row.error is not None else row.result())
+                self._hand_out()
 
     def _take(self, block: bool) -> None:
         """Move queued jobs to ``waiting``; when idle, wait for the first."""
@@ -128,11 +127,15 @@ class BatchWorker:
             self.batch.step(self._on_token, lambda job: job.cancelled.is_set())
         except Exception as e:  # noqa: BLE001 - the device step failed: every row ends with it
             log.exception("a decode step failed for %d rows", len(self.batch.active))
-            for row in self.batch.pop_finished():
-                row.key.put(row.error if row.error is not None else row.result())
+            self._hand_out()
             for row in self.batch.active:
                 row.key.put(e)
             self.batch = SlotBatch(self.generator, self.max_batch)
+
+    def _hand_out(self) -> None:
+        """Give every row that ended its result (or its error)."""
+        for row in self.batch.pop_finished():
+            row.key.put(row.error if row.error is not None else row.result())
 
     @staticmethod
     def _on_token(job: Job, _token: int, text: str) -> None:
