@@ -10,7 +10,9 @@ mindqwen / peer (tokens/s: > 1 is faster; peak RSS: < 1 is leaner). Not part of 
                                  [--layers N] [--no-fusion]
 
 The peer builds the same dimensions (``--vocab-size``, ``--hidden-size``, … from the shape); it
-models the Qwen2 architecture, so Qwen3 shapes are not compared.
+models the Qwen2 architecture, so Qwen3 shapes are not compared, except ``bench-small-moe``,
+which ``benchmarks/peers/hf_moe.py`` builds as a Qwen3-MoE (training only, HF's loss plus the
+load-balancing loss as mindqwen trains).
 
 The peer's virtualenv needs torch's CPU wheel (``pip install torch==2.13.0 --index-url
 https://download.pytorch.org/whl/cpu``), transformers and peft: never the project's own.
@@ -27,6 +29,8 @@ from train import SHAPES, shape_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER_SCRIPT = os.path.join(HERE, "..", "..", "shared", "bench", "peer_hf_lora.py")
+# Qwen3-MoE shapes (bench-small-moe); in its own folder: benchmarks/profile.py would shadow the stdlib
+MOE_PEER_SCRIPT = os.path.join(HERE, "peers", "hf_moe.py")
 FIGURES = {"train": ("tokens_per_s", "step_ms", "peak_rss_mb", "mfu", "compile_s", "build_s"),
            "gen": ("tokens_per_s", "decode_tokens_per_s", "peak_rss_mb", "first_token_s", "compile_s",
                    "floor_tokens_per_s", "decode_of_floor")}
@@ -35,18 +39,30 @@ FIGURES = {"train": ("tokens_per_s", "step_ms", "peak_rss_mb", "mfu", "compile_s
 def peer_shape_flags(shape: str, layers: int) -> List[str]:
     """The peer's model flags for a benchmark shape."""
     config = shape_config(shape, layers)
-    if config.get("model_type", "qwen2") != "qwen2":
-        sys.exit(f"--shape {shape}: the peer models Qwen2 only")
-    flags = [f"--{k.replace('_', '-')}={config[k]}" for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps")]
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps"]
+    if config.get("model_type") == "qwen3_moe":
+        keys += ["head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    elif config.get("model_type", "qwen2") != "qwen2":
+        sys.exit(f"--shape {shape}: the peers model Qwen2 and Qwen3-MoE")
+    flags = [f"--{k.replace('_', '-')}={config[k]}" for k in keys]
     return flags + ([] if config["tie_word_embeddings"] else ["--no-tie-word-embeddings"])
 
 
 def commands(workload: str, peer_python: str, args: argparse.Namespace) -> Dict[str, List[str]]:
     """(mindqwen, peer) command lines of one workload."""
     shape = ["--shape", args.shape, *(["--layers", str(args.layers)] if args.layers else [])]
-    peer = [peer_python, args.peer_script, "--threads", "2", *peer_shape_flags(args.shape, args.layers)]
+    moe = shape_config(args.shape).get("model_type") == "qwen3_moe"
+    script = MOE_PEER_SCRIPT if moe else args.peer_script
+    peer = [peer_python, script, "--threads", "2", *peer_shape_flags(args.shape, args.layers)]
+    if moe and workload == "gen":
+        sys.exit("--shape bench-small-moe: the MoE peer measures training only (--workloads lora,full)")
+    if moe:  # the MoE peer has no contention machinery: plain timed steps, as mindqwen's
+        full = ["--full"] if workload == "full" else []
+        return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full, *shape,
+                             "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)],
+                "peer": [*peer, *full, "--aux", "--batch", str(args.batch), "--seq", str(args.seq),
+                         "--steps", str(args.steps)]}
     if workload == "gen":
         return {"mindqwen": [sys.executable, os.path.join(HERE, "generate.py"), "--batches", "1", "--repeats", "3", *shape],
                 "peer": [*peer, "--gen", "--clean-steps", "3", "--steps", "5"]}

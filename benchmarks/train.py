@@ -1,7 +1,8 @@
 """Training throughput on bench-small (../shared/bench/README.md) or a real shape: one JSON line.
 
 ``--shape bench-small`` (default): Qwen2 shapes (vocab 16384, hidden 512, intermediate 1408,
-4 layers, 8 heads / 2 KV heads, tied embeddings), batch 4 × 256. ``--shape qwen2.5-0.5b`` (and
+4 layers, 8 heads / 2 KV heads, tied embeddings), batch 4 × 256; ``bench-small-moe``: the same
+as a Qwen3-MoE (8 experts of width 352, 2 per token, q/k-norm). ``--shape qwen2.5-0.5b`` (and
 the other names in ``mindqwen.presets``): that model's dimensions, random init. Always fp32,
 AdamW lr 1e-4, LoRA r 8 / alpha 32 on q_proj, v_proj (``--full`` for a full fine-tune), random
 init (seed 0). Data as the peer script draws it:
@@ -27,13 +28,17 @@ import time
 BENCH_SMALL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
                    tie_word_embeddings=True, max_position_embeddings=2048)
-SHAPES = ("bench-small", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b")
+# bench-small as a Qwen3 mixture of experts: 8 experts of a quarter of the MLP width, 2 per token.
+BENCH_SMALL_MOE = dict(BENCH_SMALL, model_type="qwen3_moe", qkv_bias=False, qk_norm=True, head_dim=64,
+                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=352, norm_topk_prob=True)
+SHAPES = ("bench-small", "bench-small-moe", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b")
 
 
 def shape_config(name: str, layers: int = 0) -> dict:
     """QwenConfig keyword arguments of a benchmark shape (``layers`` > 0 overrides the depth)."""
     from mindqwen.presets import PRESETS
-    config = dict(BENCH_SMALL) if name == "bench-small" else dict(PRESETS[name], max_position_embeddings=4096)
+    bench = {"bench-small": BENCH_SMALL, "bench-small-moe": BENCH_SMALL_MOE}
+    config = dict(bench[name]) if name in bench else dict(PRESETS[name], max_position_embeddings=4096)
     if layers:
         config["num_hidden_layers"] = layers
     return config

@@ -1,4 +1,4 @@
-"""QwenConfig: the shape and numerics of a Qwen2 / Qwen2.5 / Qwen3 decoder.
+"""QwenConfig: the shape and numerics of a Qwen2 / Qwen2.5 / Qwen3 decoder, dense or mixture-of-experts.
 
 Lenient with HF ``config.json`` (unknown keys are ignored, both rope-theta spellings are read),
 strict with values: inconsistent shapes raise ``ConfigError`` naming the field and the fix.
@@ -16,7 +16,9 @@ import numpy as np
 from mindqwen.io.jsonfile import read_json
 
 # HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture.
-ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 # The loss holds one (rows, vocab) fp32 block of logits at a time, of at most 2^25 elements
 # (128 MB): 220 rows at Qwen's 151,936-token vocabulary, where one 512-token row is 311 MB.
@@ -32,7 +34,8 @@ class QwenConfig:
     """Hyper-parameters of a Qwen causal LM. Defaults are Qwen2.5-0.5B.
 
     Attributes:
-        model_type: "qwen2" (Qwen2, Qwen2.5) or "qwen3".
+        model_type: "qwen2" (Qwen2, Qwen2.5), "qwen3", or their mixtures of experts "qwen2_moe"
+            (Qwen1.5-MoE, Qwen2-57B-A14B) and "qwen3_moe" (Qwen3-30B-A3B, Qwen3-235B-A22B).
         head_dim: per-head width; ``None`` means ``hidden_size // num_attention_heads``.
             Qwen3 sets it explicitly, so ``num_attention_heads * head_dim`` may differ from
             ``hidden_size``.
@@ -43,6 +46,14 @@ class QwenConfig:
         use_sliding_window / sliding_window / max_window_layers / layer_types: HF semantics; layers
             whose type is "sliding_attention" let a query at position q see keys k with
             ``q - sliding_window < k <= q``.
+        num_experts / num_experts_per_tok / moe_intermediate_size: the routed SwiGLU experts of a
+            mixture-of-experts layer, the k each token goes to, and their width (0 experts: dense).
+        shared_expert_intermediate_size: Qwen2-MoE's always-on expert, gated by a sigmoid (0: none).
+        norm_topk_prob: renormalise the k routing weights of a token to sum to 1.
+        decoder_sparse_step / mlp_only_layers: layer i is a mixture of experts when
+            ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers`` (HF's rule);
+            the others keep a dense MLP of ``intermediate_size``.
+        router_aux_loss_coef: weight of the load-balancing loss added to the training loss.
     """
 
     vocab_size: int = 151936
@@ -68,6 +79,14 @@ class QwenConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[Any] = None
     pad_token_id: Optional[int] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
     # Derived in __post_init__ (not constructor arguments).
     n_rep: int = field(init=False)
 
@@ -100,6 +119,7 @@ class QwenConfig:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
         self._check_rope_scaling()
         self._check_sliding_window()
+        self._check_experts()
 
     def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -134,6 +154,31 @@ class QwenConfig:
             raise ConfigError("use_sliding_window is true but sliding_window is not a positive "
                               f"integer (got {self.sliding_window!r})")
 
+    def _check_experts(self) -> None:
+        if self.model_type not in MOE_TYPES:
+            if self.num_experts:
+                raise ConfigError(f"num_experts={self.num_experts} needs a mixture-of-experts model_type "
+                                  f"({' or '.join(MOE_TYPES)}), got {self.model_type!r}")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer for {self.model_type}, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
+        if self.model_type == "qwen2_moe" and not self.shared_expert_intermediate_size > 0:
+            raise ConfigError("qwen2_moe needs shared_expert_intermediate_size > 0 (its gated shared expert)")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"mlp_only_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
+        if not self.router_aux_loss_coef >= 0:
+            raise ConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` is a mixture of experts (HF's rule)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
     @property
     def loss_chunk_rows(self) -> int:
         """Rows of logits per block of the chunked loss (``LOSS_CHUNK_ELEMENTS``)."""
@@ -142,13 +187,26 @@ class QwenConfig:
     def tensor_shapes(self) -> Dict[str, tuple]:
         """HF name → shape of every weight of the model this config describes: the layout of its
         checkpoint (``QwenForCausalLM``'s parameters, checked against them by the tests)."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+
+        def swiglu(prefix: str, i: int) -> Dict[str, tuple]:
+            return {f"{prefix}.gate_proj.weight": (i, h), f"{prefix}.up_proj.weight": (i, h),
+                    f"{prefix}.down_proj.weight": (h, i)}
+
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for n in range(self.num_hidden_layers):
             layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                     "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h),
-                     "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+                     "self_attn.o_proj.weight": (h, q)}
+            if self.is_sparse(n):
+                layer["mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    layer.update(swiglu(f"mlp.experts.{e}", self.moe_intermediate_size))
+                if self.shared_expert_intermediate_size:
+                    layer.update(swiglu("mlp.shared_expert", self.shared_expert_intermediate_size))
+                    layer["mlp.shared_expert_gate.weight"] = (1, h)
+            else:
+                layer.update(swiglu("mlp", self.intermediate_size))
             for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 layer[f"self_attn.{proj}.weight"] = (rows, h)
                 if self.qkv_bias:
@@ -211,7 +269,10 @@ class QwenConfig:
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         kwargs = {k: v for k, v in hf.items() if k in known}
         kwargs.update(model_type=model_type, rope_theta=float(rope_theta), rope_scaling=rope_scaling)
-        if model_type == "qwen3":
+        if model_type in MOE_TYPES:  # transformers 5 writes Qwen3-MoE's count as num_local_experts
+            kwargs["num_experts"] = hf.get("num_experts", hf.get("num_local_experts"))
+            kwargs["mlp_only_layers"] = list(hf.get("mlp_only_layers") or [])
+        if model_type in ("qwen3", "qwen3_moe"):
             kwargs.update(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
         else:
             kwargs.update(qkv_bias=True, o_bias=False, qk_norm=False)
@@ -243,8 +304,15 @@ class QwenConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id, "attention_dropout": 0.0, "use_cache": True,
         }
-        if self.model_type == "qwen3":
+        if self.model_type in ("qwen3", "qwen3_moe"):
             hf.update(head_dim=self.head_dim, attention_bias=self.qkv_bias)
+        if self.model_type in MOE_TYPES:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
+                      router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
+            if self.model_type == "qwen2_moe":
+                hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return hf
 
     @classmethod

@@ -51,6 +51,7 @@ class Estimate:
     device: str
     capacity: float  # bytes
     notes: List[str]
+    parameters: Tuple[int, int] = ()  # (total, active per token)
 
     @property
     def total(self) -> float:
@@ -61,23 +62,47 @@ class Estimate:
         return self.total <= HEADROOM * self.capacity
 
 
-def parameter_counts(config: QwenConfig) -> Tuple[int, int, int]:
-    """(per decoder layer, embedding, separate LM head) parameter counts."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+def layer_parameters(config: QwenConfig, index: int) -> Tuple[int, int]:
+    """(total, active per token) parameters of decoder layer ``index``: a mixture of experts holds
+    every expert but runs the router, its k experts and the shared expert."""
+    h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if config.qkv_bias else 0) + (2 * d if config.qk_norm else 0)
-    layer = attn + 3 * h * i + 2 * h
-    embed = config.vocab_size * h
+    attn += (h if config.o_bias else 0) + 2 * h  # and the two norms
+    if not config.is_sparse(index):
+        return attn + 3 * h * config.intermediate_size, attn + 3 * h * config.intermediate_size
+    always = attn + config.num_experts * h  # the router
+    if config.shared_expert_intermediate_size:
+        always += 3 * h * config.shared_expert_intermediate_size + h  # and its sigmoid gate
+    expert = 3 * h * config.moe_intermediate_size
+    return always + config.num_experts * expert, always + config.num_experts_per_tok * expert
+
+
+def parameter_counts(config: QwenConfig) -> Tuple[int, int, int]:
+    """(largest decoder layer, embedding, separate LM head) parameter counts."""
+    layer = max(layer_parameters(config, i)[0] for i in range(config.num_hidden_layers))
+    embed = config.vocab_size * config.hidden_size
     return layer, embed, 0 if config.tie_word_embeddings else embed
 
 
+def model_parameters(config: QwenConfig) -> Tuple[int, int]:
+    """(total, active per token) parameters of the whole model, final norm included."""
+    layers = [layer_parameters(config, i) for i in range(config.num_hidden_layers)]
+    _, embed, head = parameter_counts(config)
+    rest = embed + head + config.hidden_size
+    return sum(t for t, _ in layers) + rest, sum(a for _, a in layers) + rest
+
+
 def lora_counts(config: QwenConfig, lora) -> int:
-    """Adapter parameters per decoder layer."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    return sum(lora.r * (a + b) for name, (a, b) in shapes.items() if lora.matches(f"model.layers.0.x.{name}"))
+    """Adapter parameters of the decoder layer that has the most (every Linear LoRA matches:
+    attention, MLP, each expert)."""
+    per_layer: Dict[str, int] = {}
+    for name, shape in config.tensor_shapes().items():
+        if name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2 \
+                and not name.endswith("mlp.gate.weight") and lora.matches(name[:-len(".weight")]):
+            layer = name.split(".")[2]
+            per_layer[layer] = per_layer.get(layer, 0) + lora.r * sum(shape)
+    return max(per_layer.values(), default=0)
 
 
 def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_precision: bool,
@@ -127,7 +152,7 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     if trainer.gradient_accumulation > 1:
         parts["accumulators"] = trainable * state_bytes
     notes = [] if trainer.recompute == "full" or cpu else ["trainer.recompute=full"]
-    return Estimate(parts, label, capacity, notes)
+    return Estimate(parts, label, capacity, notes, model_parameters(config))
 
 
 def _device(device: str) -> Tuple[float, float, str]:
@@ -160,7 +185,10 @@ def estimate_recipe(recipe, device: str) -> Estimate:
 
 
 def format_estimate(e: Estimate) -> str:
-    lines = [f"memory per device on {e.device}:"]
+    lines = [f"memory per device on {e.device}:"] if not e.parameters else [
+        f"parameters: {e.parameters[0] / 1e9:.2f} B" + (f", {e.parameters[1] / 1e9:.2f} B active per token"
+                                                        if e.parameters[1] != e.parameters[0] else ""),
+        f"memory per device on {e.device}:"]
     lines += [f"  {name:12s} {value / GB:8.2f} GB" for name, value in e.parts.items()]
     lines.append(f"  {'total':12s} {e.total / GB:8.2f} GB of {HEADROOM:.0%} × {e.capacity / GB:.0f} GB = "
                  f"{HEADROOM * e.capacity / GB:.1f} GB usable: {'fits' if e.fits else 'does NOT fit'}")

@@ -26,7 +26,7 @@ from mindqwen.io.atomic import staged_files
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.models.graph import invalidate_compiled_graphs
-from mindqwen.models.qwen import Linear
+from mindqwen.models.qwen import Linear, Router
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # Q and V keep most of the quality at the lowest cost
 INIT_MODES = ("default", "gaussian", "pissa")
@@ -364,6 +364,10 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
     ``prefix`` is prepended to the module paths that name the LoRA parameters, for a ``root``
     that lives inside a larger model (``vision.`` …).
     """
+    routers = [path for path, cell in root.cells_and_names() if isinstance(cell, Router) and config.matches(path)]
+    if routers:  # a low-rank router changes which experts tokens pick; PEFT users train it in full
+        raise ValueError(f"LoraConfig.target_modules matches the expert router {routers[0]}, which takes no "
+                         "LoRA: leave it frozen (the default) or train it in full with modules_to_save=['gate']")
     linears = [(path, cell) for path, cell in root.cells_and_names() if isinstance(cell, Linear)]
     targets = [(path, cell) for path, cell in linears if config.matches(path)]
     if not targets:

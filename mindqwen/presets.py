@@ -1,4 +1,4 @@
-"""Published shapes of the Qwen2.5 and Qwen3 base models (plain data).
+"""Published shapes of the Qwen2.5 and Qwen3 base models, dense and mixture-of-experts (plain data).
 
 Sources, cross-checked: the HF ``config.json`` files, torchtune ``_model_builders.py``, litgpt
 ``config.py``, NeMo. All use rope_theta 1e6 and no sliding window. Instruct checkpoints can
@@ -8,6 +8,10 @@ differ in ``max_position_embeddings`` and ``rms_norm_eps``: load their own ``con
 _QWEN25 = dict(model_type="qwen2", qkv_bias=True, o_bias=False, qk_norm=False, rope_theta=1e6)
 _QWEN3 = dict(model_type="qwen3", qkv_bias=False, o_bias=False, qk_norm=True, rope_theta=1e6,
               head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6)
+
+
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                  decoder_sparse_step=1, router_aux_loss_coef=0.001, tie_word_embeddings=False)
 
 
 def _q25(vocab, hidden, inter, layers, heads, kv, max_pos, eps, tie):
@@ -37,4 +41,9 @@ PRESETS = {
     "qwen3-8b": _q3(4096, 12288, 36, 32, 8, False),
     "qwen3-14b": _q3(5120, 17408, 40, 40, 8, False),
     "qwen3-32b": _q3(5120, 25600, 64, 64, 8, False),
+    # Qwen3 mixtures of experts: 128 experts, 8 per token (intermediate_size: unused, no dense layer)
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4),
 }

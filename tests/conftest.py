@@ -8,6 +8,7 @@ import pytest
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 MODELS = ("qwen2_tiny", "qwen3_tiny")
+MOE_MODELS = ("qwen2_moe_tiny", "qwen3_moe_tiny")
 MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
 
 ms.set_device("CPU")

@@ -8,20 +8,39 @@ import sys
 import pytest
 
 from mindqwen import QwenConfig
-from mindqwen.estimate import GB, parameter_counts
+from mindqwen.estimate import GB, model_parameters, parameter_counts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Parameter totals of the published checkpoints (safetensors metadata total_size / 2 bytes).
-PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360}
+PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
+             "qwen3-30b-a3b": 30_532_122_624, "qwen3-235b-a22b": 235_093_634_560}
+# Activated parameters as the model cards give them ("3.3B", "22B"; the exact counts 3.35 B, 22.19 B).
+ACTIVE = {"qwen3-30b-a3b": (3.3e9, 0.1e9), "qwen3-235b-a22b": (22e9, 0.5e9)}
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))
 def test_parameter_count_equals_published(preset):
     config = QwenConfig.from_preset(preset)
-    layer, embed, head = parameter_counts(config)
-    total = config.num_hidden_layers * layer + embed + head + config.hidden_size  # + final norm
+    total, active = model_parameters(config)
     assert total == PUBLISHED[preset]
+    if preset in ACTIVE:
+        assert abs(active - ACTIVE[preset][0]) < ACTIVE[preset][1]
+    else:
+        assert active == total
+        layer, embed, head = parameter_counts(config)
+        assert total == config.num_hidden_layers * layer + embed + head + config.hidden_size  # + final norm
+
+
+def test_parameter_counts_are_the_models_parameters():
+    """The closed form against the Cells on a tiny mixture of experts with a dense layer."""
+    from mindqwen import QwenForCausalLM
+    config = QwenConfig(model_type="qwen2_moe", vocab_size=64, hidden_size=16, intermediate_size=24,
+                        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=12,
+                        mlp_only_layers=[1], tie_word_embeddings=False)
+    model = QwenForCausalLM(config)
+    assert model_parameters(config)[0] == sum(p.size for p in model.get_parameters())
 
 
 def _estimate(recipe, device, *overrides):

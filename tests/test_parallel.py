@@ -11,8 +11,8 @@ import pytest
 
 from conftest import fixture_path
 from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora, from_pretrained
-from mindqwen.train.distributed import (ParallelConfig, assign_pipeline_stages, check_layout, init_parallel,
-                                        shard_model)
+from mindqwen.train.distributed import (ParallelConfig, assign_pipeline_stages, check_layout, check_model_layout,
+                                        init_parallel, shard_model)
 
 DP, TP = 3, 2  # distinct, so a strategy entry tells which axis each one splits
 
@@ -117,3 +117,18 @@ def test_pipeline_stages_split_layers_contiguously():
     assert model.model.norm.pipeline_stage == model.lm_head.pipeline_stage == 3
     with pytest.raises(ValueError, match="pipeline_parallel=9 exceeds num_hidden_layers=8"):
         assign_pipeline_stages(model, 9)
+
+
+def test_moe_experts_are_split_like_the_mlp_and_routers_kept_whole():
+    model = from_pretrained(fixture_path("qwen2_moe_tiny", "base"))
+    shard_model(model, DP, TP)
+    mlp = model.model.layers[1].mlp
+    column, row = ((DP, 1), (TP, 1)), ((DP, TP), (1, TP))
+    for expert in list(mlp.experts) + [mlp.shared_expert]:
+        assert (strategy(expert.gate_proj), strategy(expert.up_proj), strategy(expert.down_proj)) == (column, column, row)
+    assert mlp.gate.matmul.attrs["in_strategy"] == ((DP, 1), (1, 1))
+    assert strategy(mlp.shared_expert_gate) == ((DP, 1), (1, 1))
+    config = QwenConfig.from_hf(fixture_path("qwen2_moe_tiny", "base"))
+    config.moe_intermediate_size = 33
+    with pytest.raises(ValueError, match="tensor_parallel=2 must divide moe_intermediate_size=33"):
+        check_model_layout(config, ParallelConfig(tensor_parallel=2))

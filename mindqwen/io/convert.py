@@ -22,7 +22,7 @@ from mindqwen.config import QwenConfig
 from mindqwen.io.hf import DTYPES, open_checkpoint, sanitize, save_tensors
 from mindqwen.io.atomic import atomic_file
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, check_finite, save_file
-from mindqwen.io.key_maps import FUSIONS, MAPS
+from mindqwen.io.key_maps import EXPERTS, FUSIONS, MAPS, MOE_FORMATS
 
 FORMATS = ("hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
@@ -76,13 +76,8 @@ def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Option
             raise ValueError(f"{name} {fmt!r}: unknown format; known: {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPE_ALIASES:
         raise ValueError(f"--dtype must be fp32, fp16 or bf16, got {dtype!r}")
-    cfg = _config(source if config is None else config)
-    rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-    state = read_state(source, allow_non_finite)
-    if src_fmt in MAPS:
-        state = from_format(state, src_fmt, cfg.num_key_value_heads, rows, qkv, mlp)
-    state = {k: state[k] for k in sanitize(list(state), cfg)}
-    check_against_config(state, cfg, source)
+    cfg, state = read_checkpoint(source, src_fmt, config, qkv, mlp, allow_non_finite)
+    _check_moe_format(cfg, dst_fmt)
     store = DTYPE_ALIASES[dtype] if dtype else None
     if store:
         state = {k: _cast(t, store) for k, t in state.items()}
@@ -140,13 +135,21 @@ def read_checkpoint(source: str, fmt: str = "hf", config: Optional[str] = None, 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     cfg = _config(source if config is None else config)
+    _check_moe_format(cfg, fmt)
     state = read_state(source, allow_non_finite)
     if fmt in MAPS:
         rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
-        state = from_format(state, fmt, cfg.num_key_value_heads, rows, qkv, mlp)
+        state = from_format(state, fmt, cfg.num_key_value_heads, rows, qkv, mlp, cfg.num_experts)
     state = {k: state[k] for k in sanitize(list(state), cfg)}
     check_against_config(state, cfg, source)
     return cfg, state
+
+
+def _check_moe_format(cfg: QwenConfig, fmt: str) -> None:
+    """A mixture of experts converts to the mindformers naming that has a model for it."""
+    if fmt in MAPS and cfg.model_type in MOE_FORMATS and fmt != MOE_FORMATS[cfg.model_type]:
+        raise ValueError(f"mindformers has no {cfg.model_type} model in the {fmt!r} naming; "
+                         f"use {MOE_FORMATS[cfg.model_type]!r}")
 
 
 # ---------------------------------------------------------------- renaming and fused layouts
@@ -208,8 +211,11 @@ def to_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, qkv:
     if fmt not in MAPS:
         raise ValueError(f"unknown checkpoint format {fmt!r}; known: {', '.join(MAPS)}")
     layouts = _layouts(qkv, mlp)
+    state = dict(state)
+    stacked = stack_experts(state, fmt)  # pops the per-expert tensors
     names = rename(list(state), MAPS[fmt])
     out = {names[k]: v for k, v in state.items()}
+    out.update(stacked)
     for fused, parts, kind in FUSIONS[fmt]:
         if layouts[kind] is None:
             continue
@@ -223,13 +229,14 @@ def to_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, qkv:
 
 
 def from_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, rows: Dict[str, List[int]],
-                qkv: Optional[str] = None, mlp: Optional[str] = None) -> Dict[str, LazyTensor]:
+                qkv: Optional[str] = None, mlp: Optional[str] = None, num_experts: int = 0) -> Dict[str, LazyTensor]:
     """``fmt`` state → HF. Fused tensors present are split with their layout; ``rows`` gives the
-    parts' row counts (``part_rows``)."""
+    parts' row counts (``part_rows``); stacked experts are split into ``num_experts``."""
     if fmt not in MAPS:
         raise ValueError(f"unknown checkpoint format {fmt!r}; known: {', '.join(MAPS)}")
     layouts = _layouts(qkv, mlp)
     out = dict(state)
+    experts = unstack_experts(out, fmt, num_experts)  # pops the stacked tensors
     for fused, parts, kind in FUSIONS[fmt]:
         for match in _instances(out, fused):
             if layouts[kind] is None:
@@ -242,7 +249,72 @@ def from_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, ro
                     lambda t, k, il, j_: unfuse(t.load(), rows[k], k, num_kv_heads, il)[j_],
                     whole, kind, layouts[kind] == "interleaved", j))
     names = rename(list(out), inverse(MAPS[fmt]))
-    return {names[k]: v for k, v in out.items()}
+    return {**{names[k]: v for k, v in out.items()}, **experts}
+
+
+_EXPERT = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+
+
+def stack_experts(state: Dict[str, LazyTensor], fmt: str) -> Dict[str, LazyTensor]:
+    """Pop the per-expert HF tensors of ``state``; return them stacked as ``fmt`` stores them
+    (``key_maps.EXPERTS``): each expert's parts concatenated along rows and transposed to
+    [in, out], experts stacked [E, in, out] or flattened [E·in, out]. Lazy."""
+    pattern = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+    counts: Dict[str, int] = {}
+    for key in state:
+        m = pattern.match(key)
+        if m:
+            counts[m.group(1)] = max(counts.get(m.group(1), 0), int(m.group(2)) + 1)
+    out = {}
+    for i, num in counts.items():
+        for foreign, projs, layout in EXPERTS[fmt]:
+            members = [[state.pop(_EXPERT.format(i=i, e=e, proj=p)) for p in projs] for e in range(num)]
+            rows, cols = sum(m.shape[0] for m in members[0]), members[0][0].shape[1]
+            shape = (num, cols, rows) if layout == "stack" else (num * cols, rows)
+            out[foreign.format(i=i)] = LazyTensor(shape, members[0][0].dtype, partial(
+                lambda ms_, s: np.stack([np.concatenate([m.load() for m in parts], 0).T for parts in ms_]).reshape(s),
+                members, shape))
+    return out
+
+
+def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) -> Dict[str, LazyTensor]:
+    """Inverse of ``stack_experts``: pop the stacked tensors, return HF per-expert tensors. A
+    stacked tensor is read once for all its experts and released when the last one is taken."""
+    out = {}
+    for foreign, projs, _ in EXPERTS[fmt]:
+        for match in _instances(state, foreign):
+            name = foreign.format(**match)
+            whole = state.pop(name)
+            if not num_experts or whole.shape[0] % num_experts or len(whole.shape) not in (2, 3):
+                raise ValueError(f"{name} has shape {list(whole.shape)}: not {num_experts} stacked experts")
+            split = _Split(whole, num_experts, len(projs))
+            rows = whole.shape[-1] // len(projs)
+            cols = whole.shape[-2] if len(whole.shape) == 3 else whole.shape[0] // num_experts
+            for e in range(num_experts):
+                for j, proj in enumerate(projs):
+                    out[_EXPERT.format(i=match["i"], e=e, proj=proj)] = LazyTensor(
+                        (rows, cols), whole.dtype, partial(split.take, e, j))
+    return out
+
+
+class _Split:
+    """The parts of one stacked expert tensor, computed on first use and dropped after the last."""
+
+    def __init__(self, whole: LazyTensor, num_experts: int, num_parts: int):
+        self.whole, self.num_experts, self.num_parts = whole, num_experts, num_parts
+        self.parts, self.left = None, 0
+
+    def take(self, expert: int, part: int) -> np.ndarray:
+        if self.parts is None:
+            w = self.whole.load()
+            w = w.reshape(self.num_experts, -1, w.shape[-1])  # (E, in, out)
+            self.parts = [np.split(np.ascontiguousarray(w[e].T), self.num_parts, 0) for e in range(self.num_experts)]
+            self.left = self.num_experts * self.num_parts
+        a = self.parts[expert][part]
+        self.left -= 1
+        if self.left == 0:
+            self.parts = None
+        return a
 
 
 def lazy(arrays: Mapping[str, np.ndarray]) -> Dict[str, LazyTensor]:

@@ -24,6 +24,12 @@ LEGACY = {  # mindformers LlamaForCausalLM (research/qwen2_5, use_legacy: True)
     "model.layers.{i}.mlp.up_proj.weight": "model.layers.{i}.feed_forward.w3.weight",
     "model.norm.weight": "model.norm_out.weight",
     "lm_head.weight": "lm_head.weight",
+    # Qwen2-MoE (research/qwen2/convert_moe_weight.py); the routed experts: EXPERTS
+    "model.layers.{i}.mlp.gate.weight": "model.layers.{i}.feed_forward.routed_experts.router.dense.weight",
+    "model.layers.{i}.mlp.shared_expert.gate_proj.weight": "model.layers.{i}.feed_forward.shared_experts.w1.weight",
+    "model.layers.{i}.mlp.shared_expert.down_proj.weight": "model.layers.{i}.feed_forward.shared_experts.w2.weight",
+    "model.layers.{i}.mlp.shared_expert.up_proj.weight": "model.layers.{i}.feed_forward.shared_experts.w3.weight",
+    "model.layers.{i}.mlp.shared_expert_gate.weight": "model.layers.{i}.feed_forward.shared_experts_gate.weight",
 }
 MCORE = {  # mindformers Qwen2/Qwen3 "Mcore" (use_legacy: False), before q/k/v and gate/up fusion
     "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -40,6 +46,8 @@ MCORE = {  # mindformers Qwen2/Qwen3 "Mcore" (use_legacy: False), before q/k/v a
     "model.layers.{i}.mlp.down_proj.weight": "decoder.layers.{i}.mlp.linear_fc2.weight",
     "model.norm.weight": "decoder.final_layernorm.weight",
     "lm_head.weight": "output_layer.weight",
+    # Qwen3-MoE (mindformers/models/qwen3_moe/utils.py ``weight_mapping``); the routed experts: EXPERTS
+    "model.layers.{i}.mlp.gate.weight": "decoder.layers.{i}.mlp.router.weight",
 }
 MAPS = {"mindformers": LEGACY, "mindformers-mcore": MCORE}
 # format → [(fused template, [part templates], kind)]; kind "qkv" splits by KV group, "mlp" by rows
@@ -54,3 +62,20 @@ FUSIONS = {
                           ("decoder.layers.{i}.mlp.linear_fc1.weight", ["decoder.layers.{i}.mlp.gating.weight",
                            "decoder.layers.{i}.mlp.hidden.weight"], "mlp")],
 }
+
+# Routed experts: HF stores each expert's projections (``mlp.experts.{e}.gate_proj.weight`` [I, H] …);
+# mindformers stacks all experts of a layer into one tensor per entry below, each expert's HF parts
+# concatenated along rows (gate before up) and transposed to [in, out]: [E, in, out] ("stack"), or
+# flattened to [E·in, out] ("flat"). Sources: legacy, research/qwen2/convert_moe_weight.py
+# (``use_gmm``); Mcore, mindformers r1.8 ``qwen3_moe`` ``concat_expert_weight`` and
+# toolkit/weight_convert/qwen3_moe/reverse_mcore_qwen3_moe_weight_to_hf.py.
+EXPERTS = {
+    "mindformers": [("model.layers.{i}.feed_forward.routed_experts.ffn.w1.weight", ["gate_proj"], "stack"),
+                    ("model.layers.{i}.feed_forward.routed_experts.ffn.w2.weight", ["down_proj"], "stack"),
+                    ("model.layers.{i}.feed_forward.routed_experts.ffn.w3.weight", ["up_proj"], "stack")],
+    "mindformers-mcore": [("decoder.layers.{i}.mlp.experts.weight1", ["gate_proj", "up_proj"], "flat"),
+                          ("decoder.layers.{i}.mlp.experts.weight2", ["down_proj"], "flat")],
+}
+# The mindformers format of each mixture-of-experts family: the one mindformers has a model for
+# (no Mcore Qwen2-MoE, no legacy Qwen3-MoE).
+MOE_FORMATS = {"qwen2_moe": "mindformers", "qwen3_moe": "mindformers-mcore"}

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 / Qwen3 causal LM as MindSpore Cells, read top to bottom.
+"""Qwen2 / Qwen2.5 / Qwen3 causal LM, dense or mixture-of-experts, as MindSpore Cells, read top to bottom.
 
 Parameter names equal HF's (``model.layers.0.self_attn.q_proj.weight`` …), so an HF checkpoint
 loads through the identity key map. ``construct`` methods are tensor math only; every check
@@ -235,17 +235,100 @@ class Attention(nn.Cell):
 
 
 class MLP(nn.Cell):
-    """SwiGLU: down(silu(gate(x)) · up(x))."""
+    """SwiGLU: down(silu(gate(x)) · up(x)); width ``intermediate_size`` unless given (experts)."""
 
-    def __init__(self, config: QwenConfig, dtype=ms.float32):
+    def __init__(self, config: QwenConfig, dtype=ms.float32, intermediate_size: Optional[int] = None):
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = Linear(h, i, False, dtype)
         self.up_proj = Linear(h, i, False, dtype)
         self.down_proj = Linear(i, h, False, dtype)
 
     def construct(self, x):
         return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Cell):
+    """The expert router ``mlp.gate``: logits x·Gᵀ in fp32 whatever the precision level, so
+    that low-precision rounding never changes which experts a token goes to."""
+
+    def __init__(self, hidden_size: int, num_experts: int, dtype=ms.float32):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(INIT_STD), (num_experts, hidden_size), dtype), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        """x (N, H) → router logits (N, E) fp32."""
+        return self.matmul(x.astype(ms.float32), self.weight.astype(ms.float32))
+
+
+class SparseMoeBlock(nn.Cell):
+    """Mixture of SwiGLU experts (Qwen2-MoE, Qwen3-MoE), with Qwen2-MoE's gated shared expert.
+
+        p = softmax(router(x))  (N, E) fp32;  the k largest p of a token pick its experts,
+        renormalised to sum 1 when ``norm_topk_prob``;  w (N, E) holds them, 0 elsewhere
+        y = Σ_e w[:, e] · expert_e(x)  (+ sigmoid(shared_expert_gate(x)) · shared_expert(x))
+
+    Every expert runs on every token and is weighted by w (0 for the tokens that did not pick it):
+    static shapes, HF's sum order (experts in index order), no token ever dropped, and an expert
+    no token picked gets an exact zero gradient.
+    """
+
+    def __init__(self, config: QwenConfig, dtype=ms.float32):
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = Router(config.hidden_size, config.num_experts, dtype)
+        self.experts = nn.CellList([MLP(config, dtype, config.moe_intermediate_size)
+                                    for _ in range(config.num_experts)])
+        self.has_shared_expert = config.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = MLP(config, dtype, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, False, dtype)
+
+    def construct(self, x):
+        """x (B, S, H) → y (B, S, H) and the router logits (B·S, E) fp32."""
+        x2 = x.reshape(-1, x.shape[-1])  # (N, H)
+        router_logits = self.gate(x2)
+        probs = ops.softmax(router_logits, -1)  # (N, E)
+        # Indices only, then a gather: differentiating through topk's (values, indices) pair
+        # fails in MindSpore 2.10's graph mode ("func graph is empty"); the gradient is the same.
+        chosen = ops.stop_gradient(ops.topk(probs, self.top_k)[1])  # (N, k): the experts each token picks
+        top = ops.gather_elements(probs, 1, chosen)  # (N, k): their probabilities
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdims=True)
+        weights = (ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+                   * top.expand_dims(-1)).sum(1).astype(x.dtype)  # (N, E)
+        y = ops.zeros_like(x2)
+        for e, expert in enumerate(self.experts):
+            y = y + expert(x2) * weights[:, e:e + 1]
+        if self.has_shared_expert:
+            y = y + ops.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+        return y.reshape(x.shape), router_logits
+
+
+def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
+    """HF's auxiliary load-balancing loss over all MoE layers together (Switch Transformer):
+
+        E · Σ_e f_e · P_e,  f_e = fraction of tokens that picked expert e (Σ_e f_e = k),
+                            P_e = mean router probability of e,
+
+    both averaged over the tokens of every layer at once (attention_mask (B, S): padding left out).
+    router_logits: a tuple of (B·S, E) fp32, one per MoE layer.
+    """
+    logits = ops.stack(router_logits)  # (L, N, E)
+    num_experts = logits.shape[-1]
+    probs = ops.softmax(logits, -1)
+    chosen = ops.stop_gradient(ops.topk(probs, top_k)[1])  # (L, N, k)
+    routed = ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(2)  # (L, N, E)
+    if attention_mask is None:
+        keep = ops.ones(probs.shape[:2] + (1,), ms.float32)
+    else:
+        keep = ops.broadcast_to(attention_mask.reshape(1, -1, 1).astype(ms.float32), probs.shape[:2] + (1,))
+    tokens = ops.reduce_sum(keep)
+    share = ops.reduce_sum(routed * keep, (0, 1)) / tokens  # (E,) f_e
+    prob = ops.reduce_sum(probs * keep, (0, 1)) / tokens  # (E,) P_e
+    return ops.reduce_sum(share * prob) * num_experts
 
 
 class DecoderLayer(nn.Cell):
@@ -256,18 +339,26 @@ class DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
         self.self_attn = Attention(config, layer_idx, dtype, use_fused_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
-        self.mlp = MLP(config, dtype)
+        self.sparse = config.is_sparse(layer_idx)
+        self.mlp = SparseMoeBlock(config, dtype) if self.sparse else MLP(config, dtype)
 
     def construct(self, x, cos, sin, mask):
+        """x (B, S, H) → (B, S, H); a mixture-of-experts layer also returns its router logits."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._feed_forward(x)
 
     def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
-        """``construct`` with the KV cache (see ``Attention.cached``)."""
+        """``construct`` with the KV cache (see ``Attention.cached``); no router logits."""
         a, k_cache, v_cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, mask,
                                                     k_cache, v_cache, cache_position)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+        x = self._feed_forward(x + a)
+        return (x[0] if self.sparse else x), k_cache, v_cache
+
+    def _feed_forward(self, x):
+        if self.sparse:
+            y, router_logits = self.mlp(self.post_attention_layernorm(x))
+            return x + y, router_logits
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class QwenModel(nn.Cell):
@@ -306,15 +397,26 @@ class QwenModel(nn.Cell):
         Returns the normed last hidden state (B, S, H), and with ``output_hidden_states`` also
         the tuple HF returns: embeddings, the input of every later layer, the normed output.
         """
+        x, hidden_states, _ = self.run(input_ids, attention_mask)
+        if output_hidden_states:
+            return x, hidden_states
+        return x
+
+    def run(self, input_ids, attention_mask=None):
+        """The forward pass with everything it can report: the normed last hidden state
+        (B, S, H), HF's hidden_states tuple, and the router logits of every mixture-of-experts
+        layer (a tuple of (B·S, E) fp32; empty for a dense model). Graph mode drops what the
+        caller does not use."""
         x, cos, sin, masked, window_masked = self.prepare(input_ids, attention_mask)
-        hidden_states = ()
+        hidden_states, router_logits = (), ()
         for layer in self.layers:
             hidden_states = hidden_states + (x,)
             x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
+            if layer.sparse:
+                x, logits = x
+                router_logits = router_logits + (logits,)
         x = self.norm(x)
-        if output_hidden_states:
-            return x, hidden_states + (x,)
-        return x
+        return x, hidden_states + (x,), router_logits
 
     def prepare(self, input_ids, attention_mask=None):
         """Embeddings (B, S, H), rotary cos/sin (B, 1, S, D) and the masks (B, 1, S, S) of the
@@ -431,7 +533,8 @@ class QwenForCausalLM(nn.Cell):
     """Qwen decoder with a language-model head (tied to the embeddings or separate).
 
     ``model(input_ids)`` returns logits (B, S, V); ``model(input_ids, labels=labels)`` returns
-    the mean next-token cross-entropy with HF shift semantics (labels -100 are ignored).
+    the mean next-token cross-entropy with HF shift semantics (labels -100 are ignored), plus
+    ``router_aux_loss_coef`` × the load-balancing loss for a mixture of experts.
     """
 
     def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None):
@@ -450,12 +553,29 @@ class QwenForCausalLM(nn.Cell):
         # (rows, V) fp32 logit blocks (config.LOSS_CHUNK_ELEMENTS); rows = 0 (set by tensor
         # parallel, which shards ``head_matmul``) takes the loss over all rows at once.
         self.chunked_loss = ChunkedCrossEntropy(config.loss_chunk_rows)
+        # Mixture of experts: the training loss adds HF's load-balancing loss with this weight.
+        self.aux_loss_coef = config.router_aux_loss_coef if config.num_experts else 0.0
+        self.top_k = config.num_experts_per_tok
 
     def construct(self, input_ids, attention_mask=None, labels=None):
-        h = self.model(input_ids, attention_mask)
+        h, _, router_logits = self.model.run(input_ids, attention_mask)
         if labels is None:
             return self.logits(h)
-        return self.loss(h, labels)
+        loss = self.loss(h, labels)
+        if self.aux_loss_coef:
+            loss = loss + self.aux_loss_coef * load_balancing_loss(router_logits, self.top_k, attention_mask)
+        return loss
+
+    def aux_loss(self, input_ids, attention_mask=None):
+        """A mixture of experts' load-balancing loss, unweighted (HF's ``aux_loss``; fp32 scalar)."""
+        return load_balancing_loss(self.model.run(input_ids, attention_mask)[2], self.top_k, attention_mask)
+
+    def loss_and_aux_loss(self, input_ids, attention_mask, labels):
+        """A mixture of experts' training loss (``model(input_ids, attention_mask, labels)``)
+        and, unweighted, the load-balancing loss it includes: what ``fit`` logs."""
+        h, _, router_logits = self.model.run(input_ids, attention_mask)
+        aux = load_balancing_loss(router_logits, self.top_k, attention_mask)
+        return self.loss(h, labels) + self.aux_loss_coef * aux, aux
 
     def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
         """KV-cache step (see ``QwenModel.cached``): next-token logits (B, V) fp32 at the last

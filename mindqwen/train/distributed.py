@@ -98,8 +98,9 @@ def check_layout(parallel: ParallelConfig, devices: int) -> None:
 def check_model_layout(config, parallel: ParallelConfig, lora_rank: int = 0) -> None:
     """The tensor/pipeline degrees must fit the model's shape (raises ValueError naming the field)."""
     tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        if getattr(config, name) % tp:
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+                 "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(config, name, 0) % tp:
             raise ValueError(f"tensor_parallel={tp} must divide {name}={getattr(config, name)}")
     if lora_rank % tp:
         raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {lora_rank}")
@@ -117,7 +118,8 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> Non
       a slice of the MLP width, no communication;
     - row-parallel o/down: W split by input columns → partial sums, all-reduced by the framework;
     - attention batch-matmuls split by KV-head group, so a device attends only to its heads;
-    - the LM head split by vocabulary.
+    - the LM head split by vocabulary;
+    - a mixture of experts: every expert and the shared expert split like the MLP, routers whole.
     LoRA layers keep the base layer's strategy; their rank must divide by tensor_parallel.
     """
     from mindqwen.lora import LoRALayer
@@ -126,9 +128,16 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> Non
     column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear, strategy in ((attn.q_proj, column), (attn.k_proj, column), (attn.v_proj, column),
-                                 (mlp.gate_proj, column), (mlp.up_proj, column),
-                                 (attn.o_proj, row), (mlp.down_proj, row)):
+        swiglus = [mlp]
+        if layer.sparse:  # each expert (and the shared one) split like a dense MLP; the routers whole
+            swiglus = list(mlp.experts) + ([mlp.shared_expert] if mlp.has_shared_expert else [])
+            mlp.gate.matmul.shard(((dp, 1), (1, 1)))
+            if mlp.has_shared_expert:
+                mlp.shared_expert_gate.matmul.shard(((dp, 1), (1, 1)))
+        linears = [(attn.q_proj, column), (attn.k_proj, column), (attn.v_proj, column), (attn.o_proj, row)]
+        for m in swiglus:
+            linears += [(m.gate_proj, column), (m.up_proj, column), (m.down_proj, row)]
+        for linear, strategy in linears:
             if isinstance(linear, LoRALayer) and linear.lora_a.shape[0] % tp:
                 raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {linear.lora_a.shape[0]}")
             linear.matmul.shard(strategy)

@@ -24,7 +24,7 @@ from mindqwen.train.metrics import (MetricsLog, measure_matmul_peak_gflops, peak
 from mindqwen.train.optim import WarmupSchedule, make_optimizer
 from mindqwen.train.precision import PrecisionConfig, apply_precision, make_loss_scaler
 from mindqwen.train.recompute import apply_recompute
-from mindqwen.train.step import CausalLMLoss, Stepper
+from mindqwen.train.step import CausalLMLoss, Stepper, reported_names
 
 
 class TrainingDiverged(RuntimeError):
@@ -52,7 +52,9 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     """
     mode = ms.get_context("mode")
     try:
-        return _fit(model, train_data, config, eval_data, recipe_text, parallel, loss_net or CausalLMLoss(model))
+        pipeline = parallel is not None and parallel.pipeline_parallel > 1
+        return _fit(model, train_data, config, eval_data, recipe_text, parallel,
+                    loss_net or CausalLMLoss(model, report=not pipeline))
     finally:
         ms.set_context(mode=mode)
 
@@ -124,7 +126,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
                       "overflow": not finite, "overflow_count": state["overflow_count"],
                       "tokens_per_s": tokens * world / seconds, "step_s": seconds,
                       "mfu": step_flops / seconds / peak_flops if step_flops else None,
-                      "peak_memory_mb": peak_memory_mb()}
+                      "peak_memory_mb": peak_memory_mb(), **stepper.reported}
             reason = divergence(loss, finite, norm, scale, streak, updated, last, config.precision, dynamic)
             scale = record["loss_scale"]
             if reason:
@@ -193,7 +195,9 @@ def evaluate(model: nn.Cell, data: TokenDataset, batch_size: int, max_batches: i
     loader = BatchLoader(data, batch_size, shuffle=False)
     n = loader.steps_per_epoch if max_batches <= 0 else min(max_batches, loader.steps_per_epoch)
     loss_net.set_train(False)
-    losses = [float(loss_net(*map(ms.Tensor, batch)).asnumpy()) for batch in loader.iterate(0, n)]
+    reports = bool(reported_names(loss_net))
+    losses = [float((out[0] if reports else out).asnumpy())
+              for out in (loss_net(*map(ms.Tensor, batch)) for batch in loader.iterate(0, n))]
     loss_net.set_train(True)
     return float(np.mean(losses))
 

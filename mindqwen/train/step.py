@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 import mindspore as ms
+import numpy as np
 from mindspore import nn, ops
 
 from mindqwen.train.distributed import ParallelConfig
@@ -26,25 +27,46 @@ CLIP_EPS = 1e-6  # as torch's clip_grad_norm_
 
 
 class CausalLMLoss(nn.Cell):
-    """The default loss: ``model(input_ids, labels=labels)`` of a causal LM."""
+    """The default loss: ``model(input_ids, labels=labels)`` of a causal LM.
 
-    def __init__(self, model: nn.Cell):
+    A loss network may report more than the loss: it then returns (loss, *reported) and names
+    them in ``reported`` (here a mixture of experts' unweighted load-balancing loss); the step
+    differentiates the loss only and hands the rest to the metrics.
+    """
+
+    def __init__(self, model: nn.Cell, report: bool = True):
+        """report: return a mixture of experts' aux loss too (not under pipeline parallel, whose
+        micro-batch cell takes the loss alone)."""
         super().__init__(auto_prefix=False)
         self.model = model
+        moe = getattr(getattr(model, "config", None), "num_experts", 0)
+        self.reported = ("aux_loss",) if moe and report else ()
 
     def construct(self, input_ids, labels):
+        if self.reported:
+            return self.model.loss_and_aux_loss(input_ids, None, labels)
         return self.model(input_ids, None, labels)
 
 
 class ScaledLoss(nn.Cell):
-    """loss_net(*batch) × loss scale: the function the gradients are taken of."""
+    """loss_net(*batch) × loss scale: the function the gradients are taken of (reported values
+    pass through unscaled)."""
 
     def __init__(self, loss_net: nn.Cell, scaler: ms.amp.DynamicLossScaler):
         super().__init__(auto_prefix=False)
         self.loss_net, self.scaler = loss_net, scaler
+        self.reports = bool(reported_names(loss_net))
 
     def construct(self, *batch):
-        return self.scaler.scale(self.loss_net(*batch))
+        out = self.loss_net(*batch)
+        if self.reports:
+            return (self.scaler.scale(out[0]),) + out[1:]
+        return self.scaler.scale(out)
+
+
+def reported_names(loss_net: nn.Cell) -> tuple:
+    """Names of the values a loss network returns after the loss (see ``CausalLMLoss``)."""
+    return tuple(getattr(loss_net, "reported", ()))
 
 
 class GradStep(nn.Cell):
@@ -58,23 +80,30 @@ class GradStep(nn.Cell):
                  world: int = 1, pipeline_micro_batches: int = 1):
         super().__init__(auto_prefix=False)
         self.scaler, self.world = scaler, world
+        self.reports = bool(reported_names(loss_net))
         loss_net = ScaledLoss(loss_net, scaler)
         if pipeline_micro_batches > 1:
+            if self.reports:
+                raise ValueError("pipeline parallel takes a loss network that returns the loss alone, "
+                                 f"not also {reported_names(loss_net.loss_net)}")
             loss_net = nn.PipelineCell(loss_net, pipeline_micro_batches)
         self.pipeline_micro_batches = float(pipeline_micro_batches)
         # Held as an attribute so that every parameter, frozen ones included, belongs to the
         # compiled cell: a graph loaded from MindSpore's compile cache binds only those, and an
         # unbound frozen weight reads as garbage (measured: a LoRA step's loss stuck at ln(vocab)).
         self.loss_net = loss_net
-        self.grad_fn = ms.value_and_grad(loss_net, None, optimizer.parameters)
+        self.grad_fn = ms.value_and_grad(loss_net, None, optimizer.parameters, has_aux=self.reports)
         self.all_reduce = ops.AllReduce() if world > 1 else None
 
     def construct(self, *batch):
-        scaled_loss, grads = self.grad_fn(*batch)
+        """→ loss, the reported values (a tuple, maybe empty), gradients."""
+        out, grads = self.grad_fn(*batch)
+        scaled_loss, reported = (out[0], out[1:]) if self.reports else (out, ())
         loss = self.scaler.unscale(scaled_loss) / self.pipeline_micro_batches
         if self.all_reduce is not None:
             loss = self.all_reduce(loss) / self.world
-        return loss, grads
+            reported = tuple(self.all_reduce(r) / self.world for r in reported)
+        return loss, reported, grads
 
 
 class ApplyGrads(nn.Cell):
@@ -124,21 +153,21 @@ class TrainStep(nn.Cell):
         self.divisor = ms.Tensor(float(divisor), ms.float32) if divisor > 1 else None
 
     def construct(self, *batch):
-        loss, grads = self.grad_step(*batch)
+        loss, reported, grads = self.grad_step(*batch)
         finite, norm = self.update(grads, self.divisor)
-        return loss, finite, norm
+        return loss, finite, norm, reported
 
 
 class AccumulateStep(nn.Cell):
-    """Steps 1–2 for one micro-batch; returns its loss."""
+    """Steps 1–2 for one micro-batch; returns its loss and reported values."""
 
     def __init__(self, grad_step: GradStep, accumulators: ms.ParameterTuple):
         super().__init__(auto_prefix=False)
         self.grad_step, self.accumulators = grad_step, accumulators
 
     def construct(self, *batch):
-        loss, grads = self.grad_step(*batch)
-        return ops.depend(loss, _hyper_map(ops.assign_add, self.accumulators, grads))
+        loss, reported, grads = self.grad_step(*batch)
+        return ops.depend(loss, _hyper_map(ops.assign_add, self.accumulators, grads)), reported
 
 
 class ApplyAccumulated(nn.Cell):
@@ -182,7 +211,10 @@ class Stepper:
             world = 1  # semi-auto parallel: loss and gradients come out already reduced
         else:
             reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
-        grad_step = GradStep(loss_net or CausalLMLoss(model), optimizer, scaler, world, pipeline)
+        loss_net = loss_net or CausalLMLoss(model)
+        self.reported_names = reported_names(loss_net)
+        self.reported = {}  # the last step's reported values (micro-batch means), e.g. aux_loss
+        grad_step = GradStep(loss_net, optimizer, scaler, world, pipeline)
         update = ApplyGrads(optimizer, scaler, clip_norm, dynamic_scaling, reducer)
         self.micro_batches = micro_batches
         if micro_batches == 1:
@@ -195,12 +227,16 @@ class Stepper:
             self.apply = ApplyAccumulated(update, accumulators, micro_batches * pipeline)
 
     def __call__(self, batches):
-        """batches: ``micro_batches`` Tensor tuples (default (input_ids, labels)) → (mean loss, finite, norm)."""
+        """batches: ``micro_batches`` Tensor tuples (default (input_ids, labels)) → (mean loss, finite, norm);
+        the loss network's reported values land in ``self.reported``."""
         if self.micro_batches == 1:
             batch, = batches
-            loss, finite, norm = self.step(*batch)
+            loss, finite, norm, reported = self.step(*batch)
+            self.reported = {k: float(v.asnumpy()) for k, v in zip(self.reported_names, reported)}
             return float(loss.asnumpy()), bool(finite.asnumpy()), float(norm.asnumpy())
-        losses = [self.accumulate(*batch) for batch in batches]
+        outs = [self.accumulate(*batch) for batch in batches]
         finite, norm = self.apply()
-        return (sum(float(x.asnumpy()) for x in losses) / len(losses), bool(finite.asnumpy()),
+        self.reported = {k: float(np.mean([out[1][i].asnumpy() for out in outs]))
+                         for i, k in enumerate(self.reported_names)}
+        return (sum(float(out[0].asnumpy()) for out in outs) / len(outs), bool(finite.asnumpy()),
                 float(norm.asnumpy()))

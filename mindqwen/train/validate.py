@@ -56,7 +56,12 @@ def recipe_model_config(recipe: Recipe, path: str, vocab_size: Optional[int] = 2
 
 def tiny_config(config: QwenConfig) -> QwenConfig:
     kv = 2 if config.num_key_value_heads < config.num_attention_heads else 4
-    return dataclasses.replace(config, **TINY, num_key_value_heads=kv, rope_scaling=None,
+    moe = {}
+    if config.num_experts:  # a few small experts, the same routing switches
+        moe = dict(num_experts=4, num_experts_per_tok=min(config.num_experts_per_tok, 2), moe_intermediate_size=32,
+                   shared_expert_intermediate_size=64 if config.shared_expert_intermediate_size else 0,
+                   mlp_only_layers=[i for i in config.mlp_only_layers if i < TINY["num_hidden_layers"]])
+    return dataclasses.replace(config, **TINY, **moe, num_key_value_heads=kv, rope_scaling=None,
                                layer_types=None, sliding_window=None, use_sliding_window=False)
 
 
