@@ -252,7 +252,9 @@ class LoRALayer(nn.Cell):
         self.pissa_init = self._init_pissa() if config.init == "pissa" else None
         if self.use_dora:
             self.lora_magnitude_vector = Parameter(Tensor(self._weight_norm_np()), name=f"{path}.lora_magnitude_vector")
-        self.dropout = nn.Dropout(p=config.lora_dropout) if config.lora_dropout > 0 else None
+        # Dropout as a drawn mask: nn.Dropout's (output, mask) tuple breaks the graph-mode gradient
+        # of the whole model ("func graph is empty: zeros_like", MindSpore 2.10).
+        self.dropout = float(config.lora_dropout)
         self.matmul = ops.MatMul(transpose_b=True)
         self.compute_dtype = base.compute_dtype
 
@@ -263,13 +265,16 @@ class LoRALayer(nn.Cell):
         a, b = a.astype(x2.dtype), b.astype(x2.dtype)
         y = self.matmul(x2, w)  # (T, out)
         if not self.merged:
-            xd = x2 if self.dropout is None else self.dropout(x2)
+            xd = x2
+            if self.dropout > 0 and self.training:
+                keep = ops.stop_gradient(ops.rand_like(x2, dtype=ms.float32) >= self.dropout)
+                xd = x2 * keep.astype(x2.dtype) / (1.0 - self.dropout)
             lora = self.matmul(self.matmul(xd, a), b) * self.scaling  # (T, r) -> (T, out)
             if self.use_dora:
                 wd = self.weight.astype(ms.float32) + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
                 norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(wd * wd, 1)))  # (out,)
                 scale = (self.lora_magnitude_vector / norm).astype(y.dtype)
-                yd = y if self.dropout is None else self.matmul(xd, w)
+                yd = y if self.dropout == 0 else self.matmul(xd, w)
                 y = y + (scale - 1) * yd + scale * lora
             else:
                 y = y + lora
@@ -346,7 +351,7 @@ def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
     Raises:
         ValueError: if the model already has LoRA, or no module matches the targets.
     """
-    config = config or LoraConfig()
+    config = fused_qkv_targets(config or LoraConfig(), model)
     if lora_layers(model):
         raise ValueError("the model already has LoRA layers; merge_and_unload() it first")
     _check_modules_to_save(model, config.modules_to_save)
@@ -355,6 +360,22 @@ def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
     mark_only_lora_trainable(model)
     invalidate_compiled_graphs(model)
     return model
+
+
+FUSED_QKV = ("query_key_value", "c_attn")  # the original Qwen's fused q/k/v, as its guides name it
+
+
+def fused_qkv_targets(config: LoraConfig, model: nn.Cell) -> LoraConfig:
+    """``query_key_value`` / ``c_attn`` in the targets of an original-Qwen model stand for q_proj,
+    k_proj and v_proj (held apart here: each gets its own A and B); elsewhere they are an error."""
+    targets = config.target_modules
+    if isinstance(targets, str) or not any(t in FUSED_QKV for t in targets):
+        return config
+    if getattr(getattr(model, "config", None), "model_type", None) != "qwen":
+        raise ValueError(f"target_modules {[t for t in targets if t in FUSED_QKV]} name the original Qwen's fused "
+                         "q/k/v projection (QWenLMHeadModel); this model has q_proj, k_proj, v_proj")
+    split = [t for t in targets if t not in FUSED_QKV] + ["q_proj", "k_proj", "v_proj"]
+    return dataclasses.replace(config, target_modules=list(dict.fromkeys(split)))
 
 
 def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str]:

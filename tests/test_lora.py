@@ -297,6 +297,24 @@ def test_dora_layer_equals_numpy_formula():
     np.testing.assert_allclose(layer(ms.Tensor(x)).asnumpy(), expected, atol=2e-6)
 
 
+def test_lora_dropout_drops_the_adapter_input_and_rescales():
+    """A = B = I, W = 0, scaling 1: the layer's output is the dropped input itself, each entry 0 or
+    x / (1 - p), kept with probability 1 - p while training; untouched in eval."""
+    p = 0.25
+    lin = Linear(16, 16, False)
+    lin.weight.set_data(ms.Tensor(np.zeros((16, 16), np.float32)))
+    layer = LoRALayer(lin, LoraConfig(r=16, lora_alpha=16, lora_dropout=p), "proj")
+    layer.lora_a.set_data(ms.Tensor(np.eye(16, dtype=np.float32)))
+    layer.lora_b.set_data(ms.Tensor(np.eye(16, dtype=np.float32)))
+    x = np.ones((1000, 16), np.float32)
+    layer.set_train(True)
+    out = layer(ms.Tensor(x)).asnumpy()
+    np.testing.assert_allclose(np.unique(out), [0.0, 1 / (1 - p)], rtol=1e-6)
+    assert abs((out > 0).mean() - (1 - p)) < 0.02  # 16,000 draws: σ = 0.0034
+    layer.set_train(False)
+    np.testing.assert_array_equal(layer(ms.Tensor(x)).asnumpy(), x)
+
+
 # ------------------------------------------------------------------------------ recompute
 def test_recompute_gives_the_same_lora_gradients(mode):
     ids = ids_of("qwen3_tiny")
