@@ -17,7 +17,8 @@ from mindqwen.io.jsonfile import read_json
 
 # HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture.
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "QWenLMHeadModel": "qwen"}
 MOE_TYPES = ("qwen2_moe", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 # The loss holds one (rows, vocab) fp32 block of logits at a time, of at most 2^25 elements
@@ -34,8 +35,10 @@ class QwenConfig:
     """Hyper-parameters of a Qwen causal LM. Defaults are Qwen2.5-0.5B.
 
     Attributes:
-        model_type: "qwen2" (Qwen2, Qwen2.5), "qwen3", or their mixtures of experts "qwen2_moe"
-            (Qwen1.5-MoE, Qwen2-57B-A14B) and "qwen3_moe" (Qwen3-30B-A3B, Qwen3-235B-A22B).
+        model_type: "qwen2" (Qwen2, Qwen2.5), "qwen3", their mixtures of experts "qwen2_moe"
+            (Qwen1.5-MoE, Qwen2-57B-A14B) and "qwen3_moe" (Qwen3-30B-A3B, Qwen3-235B-A22B), or
+            "qwen": the original Qwen (Qwen-1.8B/7B/14B/72B, ``QWenLMHeadModel``), a Qwen2-style
+            decoder with multi-head attention whose checkpoints keep their own layout.
         head_dim: per-head width; ``None`` means ``hidden_size // num_attention_heads``.
             Qwen3 sets it explicitly, so ``num_attention_heads * head_dim`` may differ from
             ``hidden_size``.
@@ -54,6 +57,9 @@ class QwenConfig:
             ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers`` (HF's rule);
             the others keep a dense MLP of ``intermediate_size``.
         router_aux_loss_coef: weight of the load-balancing loss added to the training loss.
+        seq_length / use_logn_attn / use_dynamic_ntk: the original Qwen's training length and, at
+            inference beyond it, its query scaling by log_seq_length(position) and its dynamic NTK
+            rotary base (``modeling_qwen.py``).
     """
 
     vocab_size: int = 151936
@@ -87,6 +93,9 @@ class QwenConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.001
+    seq_length: Optional[int] = None
+    use_logn_attn: bool = False
+    use_dynamic_ntk: bool = False
     # Derived in __post_init__ (not constructor arguments).
     n_rep: int = field(init=False)
 
@@ -120,6 +129,9 @@ class QwenConfig:
         self._check_rope_scaling()
         self._check_sliding_window()
         self._check_experts()
+        if (self.use_logn_attn or self.use_dynamic_ntk) and not (self.seq_length or 0) > 1:
+            raise ConfigError(f"use_logn_attn / use_dynamic_ntk need seq_length > 1 (the training length), "
+                              f"got {self.seq_length!r}")
 
     def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -260,6 +272,8 @@ class QwenConfig:
         if model_type is None:
             raise ConfigError(f"{path}: unsupported architecture {archs or hf.get('model_type')!r}; "
                               f"supported: {', '.join(ARCHITECTURES)}")
+        if model_type == "qwen":
+            return cls._from_qwen1(hf, path)
         rope_params = dict(hf.get("rope_parameters") or {})
         rope_theta = rope_params.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_scaling = hf.get("rope_scaling") or (rope_params or None)
@@ -281,8 +295,41 @@ class QwenConfig:
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
 
+    @classmethod
+    def _from_qwen1(cls, hf: Dict[str, Any], path: str) -> "QwenConfig":
+        """The original Qwen's config.json (``configuration_qwen.py``): its ``intermediate_size`` is
+        twice the width of w1 / w2 (``ff_dim_in = intermediate_size // 2``)."""
+        if hf.get("rotary_pct", 1.0) != 1.0:
+            raise ConfigError(f"{path}: rotary_pct={hf['rotary_pct']}: partial rotary is not supported")
+        if not hf.get("no_bias", True):
+            raise ConfigError(f"{path}: no_bias=false (biases on c_proj and the MLP) is not supported")
+        try:
+            return cls(model_type="qwen", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                       intermediate_size=hf["intermediate_size"] // 2, num_hidden_layers=hf["num_hidden_layers"],
+                       num_attention_heads=hf["num_attention_heads"], num_key_value_heads=hf["num_attention_heads"],
+                       head_dim=hf.get("kv_channels"), rms_norm_eps=hf.get("layer_norm_epsilon", 1e-6),
+                       rope_theta=float(hf.get("rotary_emb_base", 10000)),
+                       max_position_embeddings=hf.get("max_position_embeddings") or hf["seq_length"],
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=True,
+                       o_bias=False, seq_length=hf.get("seq_length"), use_logn_attn=bool(hf.get("use_logn_attn")),
+                       use_dynamic_ntk=bool(hf.get("use_dynamic_ntk")))
+        except KeyError as e:
+            raise ConfigError(f"{path}: the original Qwen's config needs {e.args[0]!r}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
     def to_hf(self) -> Dict[str, Any]:
-        """An HF ``config.json`` dict that transformers 4 and 5 both load unchanged."""
+        """An HF ``config.json`` dict that transformers 4 and 5 both load unchanged (for the
+        original Qwen: its own config, as ``configuration_qwen.py`` reads it)."""
+        if self.model_type == "qwen":
+            return {"architectures": ["QWenLMHeadModel"], "model_type": "qwen", "vocab_size": self.vocab_size,
+                    "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+                    "num_attention_heads": self.num_attention_heads, "kv_channels": self.head_dim,
+                    "intermediate_size": 2 * self.intermediate_size, "layer_norm_epsilon": self.rms_norm_eps,
+                    "rotary_emb_base": self.rope_theta, "rotary_pct": 1.0, "seq_length": self.seq_length,
+                    "max_position_embeddings": self.max_position_embeddings, "use_logn_attn": self.use_logn_attn,
+                    "use_dynamic_ntk": self.use_dynamic_ntk, "no_bias": True, "scale_attn_weights": True,
+                    "tie_word_embeddings": self.tie_word_embeddings, "use_cache": True}
         arch = {v: k for k, v in ARCHITECTURES.items()}[self.model_type]
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}),
                            "rope_theta": self.rope_theta}

@@ -82,7 +82,7 @@ def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Option
     if store:
         state = {k: _cast(t, store) for k, t in state.items()}
     if dst_fmt in ("hf", "mindqwen"):
-        save_tensors(target, state, cfg.to_hf(), store, max_shard_size)
+        save_tensors(target, own_layout(state, cfg), cfg.to_hf(), store, max_shard_size)
         return
     if dst_fmt in MAPS:
         state = to_format(state, dst_fmt, cfg.num_key_value_heads, qkv, mlp)
@@ -137,12 +137,22 @@ def read_checkpoint(source: str, fmt: str = "hf", config: Optional[str] = None, 
     cfg = _config(source if config is None else config)
     _check_moe_format(cfg, fmt)
     state = read_state(source, allow_non_finite)
+    if cfg.model_type == "qwen" and fmt in ("hf", "mindqwen"):  # its own layout: fused c_attn
+        fmt, qkv, mlp = "qwen", "contiguous", None
     if fmt in MAPS:
         rows = part_rows(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         state = from_format(state, fmt, cfg.num_key_value_heads, rows, qkv, mlp, cfg.num_experts)
     state = {k: state[k] for k in sanitize(list(state), cfg)}
     check_against_config(state, cfg, source)
     return cfg, state
+
+
+def own_layout(state: Dict[str, LazyTensor], cfg: QwenConfig) -> Dict[str, LazyTensor]:
+    """HF-named tensors in the layout of the model's own HF folder: the original Qwen's
+    (``transformer.h.{i}.attn.c_attn`` …), every other family's unchanged."""
+    if cfg.model_type != "qwen":
+        return state
+    return to_format(state, "qwen", cfg.num_key_value_heads, "contiguous", None)
 
 
 def _check_moe_format(cfg: QwenConfig, fmt: str) -> None:

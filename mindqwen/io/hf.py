@@ -119,7 +119,7 @@ def check_dtype(dtype: Optional[str], device_target: Optional[str] = None) -> No
 
 
 def save_pretrained(model: ms.nn.Cell, folder: str, dtype: Optional[str] = None,
-                    max_shard_size: str = "5GB") -> None:
+                    max_shard_size: str = "5GB", layout=None) -> None:
     """Write ``model`` as an HF folder: config.json and safetensors, sharded above the limit.
 
     Files are staged in a temporary folder and moved into place, the index last, so an
@@ -128,14 +128,15 @@ def save_pretrained(model: ms.nn.Cell, folder: str, dtype: Optional[str] = None,
     Args:
         dtype: stored dtype ("float32", "float16", "bfloat16"); default: the parameters' dtype.
         max_shard_size: e.g. "5GB", "200MB" or a byte count.
+        layout: maps the HF-named tensors to the folder's layout (the original Qwen's own).
     """
     check_dtype(dtype)
     lora = [p.name for p in model.get_parameters() if ".lora_" in p.name]
     if lora:  # an HF folder has no place for them: transformers would load the base model silently
         raise ValueError(f"the model has LoRA adapters ({lora[0]}, …): save_adapter(model, folder) writes them "
                          "in PEFT format; merge_and_unload(model).save_pretrained(folder) writes the merged weights")
-    save_tensors(folder, {name: _lazy(p, dtype) for name, p in _state(model)}, model.config.to_hf(), dtype,
-                 max_shard_size)
+    tensors = {name: _lazy(p, dtype) for name, p in _state(model)}
+    save_tensors(folder, layout(tensors) if layout else tensors, model.config.to_hf(), dtype, max_shard_size)
 
 
 def save_tensors(folder: str, tensors: Dict[str, LazyTensor], hf_config: dict, dtype: Optional[str] = None,

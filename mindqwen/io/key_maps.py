@@ -49,7 +49,21 @@ MCORE = {  # mindformers Qwen2/Qwen3 "Mcore" (use_legacy: False), before q/k/v a
     # Qwen3-MoE (mindformers/models/qwen3_moe/utils.py ``weight_mapping``); the routed experts: EXPERTS
     "model.layers.{i}.mlp.gate.weight": "decoder.layers.{i}.mlp.router.weight",
 }
-MAPS = {"mindformers": LEGACY, "mindformers-mcore": MCORE}
+QWEN1 = {  # the original Qwen's own layout (modeling_qwen.py); c_attn fuses q/k/v contiguously
+    "model.embed_tokens.weight": "transformer.wte.weight",
+    "model.layers.{i}.input_layernorm.weight": "transformer.h.{i}.ln_1.weight",
+    "model.layers.{i}.self_attn.q_proj.{p}": "transformer.h.{i}.attn.q.{p}",
+    "model.layers.{i}.self_attn.k_proj.{p}": "transformer.h.{i}.attn.k.{p}",
+    "model.layers.{i}.self_attn.v_proj.{p}": "transformer.h.{i}.attn.v.{p}",
+    "model.layers.{i}.self_attn.o_proj.weight": "transformer.h.{i}.attn.c_proj.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "transformer.h.{i}.ln_2.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "transformer.h.{i}.mlp.w2.weight",  # a1 * silu(a2), a2 = w2(x)
+    "model.layers.{i}.mlp.up_proj.weight": "transformer.h.{i}.mlp.w1.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "transformer.h.{i}.mlp.c_proj.weight",
+    "model.norm.weight": "transformer.ln_f.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+MAPS = {"mindformers": LEGACY, "mindformers-mcore": MCORE, "qwen": QWEN1}
 # format → [(fused template, [part templates], kind)]; kind "qkv" splits by KV group, "mlp" by rows
 FUSIONS = {
     "mindformers": [("model.layers.{i}.attention.w_qkv.{p}", ["model.layers.{i}.attention.wq.{p}",
@@ -61,6 +75,8 @@ FUSIONS = {
                               "decoder.layers.{i}.self_attention.linear_v.{p}"], "qkv"),
                           ("decoder.layers.{i}.mlp.linear_fc1.weight", ["decoder.layers.{i}.mlp.gating.weight",
                            "decoder.layers.{i}.mlp.hidden.weight"], "mlp")],
+    "qwen": [("transformer.h.{i}.attn.c_attn.{p}", ["transformer.h.{i}.attn.q.{p}", "transformer.h.{i}.attn.k.{p}",
+                                                    "transformer.h.{i}.attn.v.{p}"], "qkv")],
 }
 
 # Routed experts: HF stores each expert's projections (``mlp.experts.{e}.gate_proj.weight`` [I, H] …);
@@ -70,6 +86,7 @@ FUSIONS = {
 # (``use_gmm``); Mcore, mindformers r1.8 ``qwen3_moe`` ``concat_expert_weight`` and
 # toolkit/weight_convert/qwen3_moe/reverse_mcore_qwen3_moe_weight_to_hf.py.
 EXPERTS = {
+    "qwen": [],
     "mindformers": [("model.layers.{i}.feed_forward.routed_experts.ffn.w1.weight", ["gate_proj"], "stack"),
                     ("model.layers.{i}.feed_forward.routed_experts.ffn.w2.weight", ["down_proj"], "stack"),
                     ("model.layers.{i}.feed_forward.routed_experts.ffn.w3.weight", ["up_proj"], "stack")],

@@ -11,6 +11,7 @@ they do not exist, the hand-written path is used.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -114,9 +115,22 @@ class RotaryEmbedding(nn.Cell):
         d = config.head_dim
         self.exponent = Tensor(np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
         self.base_power = d / (d - 2)
+        # The original Qwen's dynamic NTK at inference: alpha = max(2^ceil(log2(len / seq_length) + 1) - 1, 1),
+        # base × alpha^(d/(d-2)). ceil(log2(len / seq_length)), or 0 within seq_length, is the number of
+        # doublings of seq_length below len: counted exactly (a float log2 misses the powers of two).
+        self.qwen_ntk = config.use_dynamic_ntk
+        self.doublings = Tensor(float(config.seq_length or 1) * 2.0 ** np.arange(32, dtype=np.float64), ms.float32)
 
     def construct(self, position_ids):
         """position_ids (B, S) int32 → cos, sin (B, 1, S, D) fp32."""
+        if self.qwen_ntk and not self.training:
+            length = position_ids.max().astype(ms.float32) + 1
+            doublings = ops.reduce_sum((length > self.doublings).astype(ms.float32))  # 0 within seq_length
+            alpha = ops.pow(2.0, doublings + 1) - 1
+            freqs = position_ids.astype(ms.float32).expand_dims(-1) / ops.pow(
+                self.theta * ops.pow(alpha, self.base_power), self.exponent)  # (B, S, D/2)
+            emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # (B, 1, S, D)
+            return ops.cos(emb), ops.sin(emb)
         if self.dynamic:
             pos = position_ids.astype(ms.float32)
             seq_len = ops.maximum(pos.max() + 1, self.max_positions)
@@ -138,6 +152,15 @@ def rotate_half(x):
 def apply_rotary(x, cos, sin):
     x32 = x.astype(ms.float32)
     return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+
+
+def query_key_tables(cos, sin, position_ids, logn_length: int):
+    """The original Qwen's logn attention: queries beyond ``logn_length`` scaled by
+    log_logn_length(position + 1), folded into the queries' rotary tables (rotary is linear).
+    Returns cos, sin (B, 2, S, D): index 0 for queries, 1 for keys (``Attention._project``)."""
+    p = position_ids.astype(ms.float32) + 1
+    scale = ops.maximum(ops.log(p) / math.log(logn_length), 1.0).expand_dims(1).expand_dims(-1)  # (B, 1, S, 1)
+    return ops.cat((cos * scale, cos), 1), ops.cat((sin * scale, sin), 1)
 
 
 class Attention(nn.Cell):
@@ -177,7 +200,8 @@ class Attention(nn.Cell):
         self.bmm_pv = ops.BatchMatMul()
 
     def construct(self, x, cos, sin, mask):
-        """x (B, S, H); cos/sin (B, 1, S, D); mask (B, 1, S, S) bool, True = not attended."""
+        """x (B, S, H); cos/sin (B, 1 or 2, S, D): index 0 rotates queries, the last keys;
+        mask (B, 1, S, S) bool, True = not attended."""
         q, k, v = self._project(x, cos, sin)
         if self.use_flash:
             out = ops.flash_attention_score(q, k, v, self.num_heads, attn_mask=mask.astype(ms.uint8),
@@ -211,8 +235,8 @@ class Attention(nn.Cell):
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)  # (B, N, S, D)
-        k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)  # (B, KV, S, D)
+        q = apply_rotary(q.transpose(0, 2, 1, 3), cos[:, :1], sin[:, :1])  # (B, N, S, D)
+        k = apply_rotary(k.transpose(0, 2, 1, 3), cos[:, -1:], sin[:, -1:])  # (B, KV, S, D)
         return q, k, v.transpose(0, 2, 1, 3)
 
     def _output(self, out):
@@ -374,6 +398,7 @@ class QwenModel(nn.Cell):
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window or 0
         self.hidden_dtype = None
+        self.logn_length = config.seq_length if config.use_logn_attn else 0  # the original Qwen
         # Packed rows: with an EOS id set (``set_document_boundaries``), each document restarts
         # its positions after an EOS and attends only within itself.
         self.document_eos_id = None
@@ -439,6 +464,8 @@ class QwenModel(nn.Cell):
             too_old = idx.reshape(s, 1) - idx.reshape(1, s) >= self.sliding_window
             window_masked = ops.logical_or(masked, too_old.reshape(1, 1, s, s))
         cos, sin = self.rotary_emb(position_ids)
+        if self.logn_length and not self.training:
+            cos, sin = query_key_tables(cos, sin, position_ids, self.logn_length)
         x = self.embed_tokens(input_ids)
         if self.hidden_dtype is not None:  # AMP O2/O3: the residual stream in low precision
             x = x.astype(self.hidden_dtype)
@@ -463,6 +490,8 @@ class QwenModel(nn.Cell):
         if self.sliding_window > 0:  # pads sit before every real token, so slot gaps = position gaps
             window_masked = ops.logical_or(masked, query - slots >= self.sliding_window)
         cos, sin = self.rotary_emb(position_ids)
+        if self.logn_length and not self.training:
+            cos, sin = query_key_tables(cos, sin, position_ids, self.logn_length)
         x = self.embed_tokens(input_ids)
         if self.hidden_dtype is not None:
             x = x.astype(self.hidden_dtype)
@@ -627,7 +656,10 @@ class QwenForCausalLM(nn.Cell):
         config = QwenConfig.from_hf(folder)
         with hf.no_init_parameters():  # the checkpoint replaces every weight: one copy in RAM
             model = cls(config, dtype=hf.DTYPES[dtype][0])
-        hf.load_weights(model, folder, allow_non_finite=allow_non_finite)
+        if config.model_type == "qwen":  # the original Qwen's own layout (fused c_attn, transformer.h.*)
+            model._set_state(convert.read_checkpoint(folder, allow_non_finite=allow_non_finite)[1])
+        else:
+            hf.load_weights(model, folder, allow_non_finite=allow_non_finite)
         return model
 
     @classmethod
@@ -639,14 +671,20 @@ class QwenForCausalLM(nn.Cell):
         cfg, state = convert.read_checkpoint(source, fmt, config, qkv, mlp, allow_non_finite)
         with hf.no_init_parameters():
             model = cls(cfg)
-        for p in model.get_parameters():
-            p.set_data(Tensor(state[p.name].load()).astype(p.dtype))
+        model._set_state(state)
         return model
+
+    def _set_state(self, state) -> None:
+        """Every parameter from ``state`` (HF name → lazy tensor, checked against the config)."""
+        for p in self.get_parameters():
+            p.set_data(Tensor(state[p.name].load()).astype(p.dtype))
 
     def save_pretrained(self, folder: str, dtype: Optional[str] = None,
                         max_shard_size: str = "5GB") -> None:
-        """Write an HF folder (config.json + safetensors) that transformers loads unchanged."""
-        hf.save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size)
+        """Write an HF folder (config.json + safetensors) that transformers loads unchanged (the
+        original Qwen in its own layout)."""
+        hf.save_pretrained(self, folder, dtype=dtype, max_shard_size=max_shard_size,
+                           layout=lambda tensors: convert.own_layout(tensors, self.config))
 
 
 from_pretrained = QwenForCausalLM.from_pretrained  # mindqwen.from_pretrained
