@@ -28,7 +28,7 @@ setup(
         "decorator",  # MindSpore's AKG kernel builder (CPU graph-kernel fusion, on by default) imports it
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers",
+        "test": ["pytest", "pytest-xdist", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers",
                  "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.0"],  # the server, driven by the official client
         "plot": ["matplotlib"],
         "multimodal": ["pillow"],  # image files (MindSpore installs it too, but mindqwen imports it directly)
