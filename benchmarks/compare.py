@@ -59,7 +59,8 @@ def commands(workload: str, peer_python: str, args: argparse.Namespace) -> Dict[
         sys.exit("--shape bench-small-moe: the MoE peer measures training only (--workloads lora,full)")
     if moe:  # the MoE peer has no contention machinery: plain timed steps, as mindqwen's
         full = ["--full"] if workload == "full" else []
-        return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full, *shape,
+        capacity = [] if args.moe_capacity_factor is None else ["--moe-capacity-factor", str(args.moe_capacity_factor)]
+        return {"mindqwen": [sys.executable, os.path.join(HERE, "train.py"), "--threads", "2", *full, *shape, *capacity,
                              "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)],
                 "peer": [*peer, *full, "--aux", "--batch", str(args.batch), "--seq", str(args.seq),
                          "--steps", str(args.steps)]}
@@ -114,8 +115,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=13, help="train steps per run (3 warm-up)")
     ap.add_argument("--no-fusion", dest="fusion", action="store_false", help="mindqwen without CPU fusion")
+    ap.add_argument("--moe-capacity-factor", type=float, default=None,
+                    help="bench-small-moe: mindqwen's QwenConfig.moe_capacity_factor (HF has none: exact)")
     args = ap.parse_args()
     out = {"benchmark": "compare", "rounds": args.rounds, "fusion": args.fusion, "shape": args.shape,
+           "moe_capacity_factor": args.moe_capacity_factor,
            "layers": args.layers or None, "batch": args.batch, "seq": args.seq}
     for workload in args.workloads.split(","):
         if workload not in ("lora", "full", "gen"):

@@ -13,7 +13,7 @@ achieved matmul FLOP rate over the fp32 matmul rate measured in the same process
 
     python benchmarks/train.py [--shape qwen2.5-0.5b] [--batch 1 --seq 512] [--full] [--no-fusion]
                                [--steps 20] [--recompute none|full|attention|mlp] [--recompute-every K]
-                               [--threads 2] [--compile-cache DIR]
+                               [--threads 2] [--compile-cache DIR] [--moe-capacity-factor F]
 
 mindqwen's defaults are what is measured (CPU graph-kernel fusion on, see ``mindqwen.backend``);
 ``--no-fusion`` turns fusion off, as it was before it became the default.
@@ -57,6 +57,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--recompute", default="none", choices=["none", "full", "attention", "mlp"])
     ap.add_argument("--recompute-every", type=int, default=1, help="recompute only every K-th layer")
     ap.add_argument("--threads", type=int, default=0, help="CPU op threads (0: MindSpore's default)")
+    ap.add_argument("--moe-capacity-factor", type=float, default=None,
+                    help="bench-small-moe: QwenConfig.moe_capacity_factor (default: exact, every expert on every token)")
     ap.add_argument("--no-fusion", dest="fusion", action="store_false",
                     help="turn off CPU graph-kernel fusion (mindqwen's default)")
     return ap
@@ -79,7 +81,8 @@ def build(args: argparse.Namespace) -> tuple:
     if args.threads:
         ms.device_context.cpu.op_tuning.threads_num(args.threads)
     ms.set_seed(0)
-    config = QwenConfig(**shape_config(args.shape, args.layers))
+    extra = {} if args.moe_capacity_factor is None else {"moe_capacity_factor": args.moe_capacity_factor}
+    config = QwenConfig(**shape_config(args.shape, args.layers), **extra)
     t = time.perf_counter()
     model = QwenForCausalLM(config)
     args.build_s = time.perf_counter() - t
@@ -122,7 +125,7 @@ def main() -> None:
         "mode": "full" if args.full else "lora", "fusion": backend.fusion_enabled(), "shape": args.shape,
         "layers": config.num_hidden_layers, "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
         "recompute_every": args.recompute_every, "steps": args.steps, "build_s": round(args.build_s, 1),
-        "compile_cache": bool(args.compile_cache),
+        "compile_cache": bool(args.compile_cache), "moe_capacity_factor": args.moe_capacity_factor,
         "tokens_per_s": round(tokens / step_s, 1), "step_ms": round(step_s * 1e3, 1),
         "compile_s": round(times[0] - step_s, 2), "peak_rss_mb": round(peak_memory_mb()),
         "rss_after_build_mb": round(rss_built), "achieved_gflops": round(flops / step_s / 1e9, 1),

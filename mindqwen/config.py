@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -57,6 +57,11 @@ class QwenConfig:
             ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers`` (HF's rule);
             the others keep a dense MLP of ``intermediate_size``.
         router_aux_loss_coef: weight of the load-balancing loss added to the training loss.
+        moe_capacity_factor: training only, not an HF key. None: every expert runs on every token,
+            weighted by its routing weight (HF's result exactly, at num_experts / k times the
+            expert FLOPs). A factor f: expert e computes at most ceil(f · tokens · k / num_experts)
+            of a batch's tokens, those that weight it most, and the assignments beyond are dropped
+            (``fit`` logs their share as ``moe_dropped``). Inference is always exact.
         seq_length / use_logn_attn / use_dynamic_ntk: the original Qwen's training length and, at
             inference beyond it, its query scaling by log_seq_length(position) and its dynamic NTK
             rotary base (``modeling_qwen.py``).
@@ -93,6 +98,7 @@ class QwenConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.001
+    moe_capacity_factor: Optional[float] = None
     seq_length: Optional[int] = None
     use_logn_attn: bool = False
     use_dynamic_ntk: bool = False
@@ -171,6 +177,8 @@ class QwenConfig:
             if self.num_experts:
                 raise ConfigError(f"num_experts={self.num_experts} needs a mixture-of-experts model_type "
                                   f"({' or '.join(MOE_TYPES)}), got {self.model_type!r}")
+            if self.moe_capacity_factor is not None:
+                raise ConfigError(f"moe_capacity_factor applies to a mixture of experts; {self.model_type} has none")
             return
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
@@ -185,6 +193,11 @@ class QwenConfig:
             raise ConfigError(f"mlp_only_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
         if not self.router_aux_loss_coef >= 0:
             raise ConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.moe_capacity_factor is not None and not (
+                isinstance(self.moe_capacity_factor, (int, float)) and not isinstance(self.moe_capacity_factor, bool)
+                and self.moe_capacity_factor > 0):
+            raise ConfigError(f"moe_capacity_factor must be a positive number or None (exact), "
+                              f"got {self.moe_capacity_factor!r}")
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` is a mixture of experts (HF's rule)."""
@@ -361,6 +374,14 @@ class QwenConfig:
             if self.model_type == "qwen2_moe":
                 hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return hf
+
+    def replace(self, **overrides: Any) -> "QwenConfig":
+        """A copy with ``overrides`` (checked again); an unknown name is a ``ConfigError``."""
+        known = {f.name for f in fields(self) if f.init}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown QwenConfig field(s) {unknown}")
+        return dataclasses.replace(self, **overrides) if overrides else self
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "QwenConfig":

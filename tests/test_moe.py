@@ -303,3 +303,118 @@ def test_export_runs_hfs_greedy_tokens_in_a_process_without_mindqwen(tmp_path):
     gen = ref["gen_ids"]
     out = _run_exported(folder, "--prompt-ids", ",".join(map(str, gen[0, :16])), "--max-new-tokens", "8")
     assert out[0]["tokens"] == gen[0, 16:].tolist()
+
+
+# ------------------------------------------------------------------------------ capacity
+class TrainingLoss(nn.Cell):
+    def __init__(self, model):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, ids):
+        return self.model.loss_and_aux_loss(ids, None, ids)
+
+
+def assignment_counts(router_logits, k):
+    """(L, N, E) router logits → (L, E): how many tokens pick each expert (numpy)."""
+    chosen = np.argsort(-router_logits, -1)[..., :k]
+    return np.stack([np.bincount(c.ravel(), minlength=router_logits.shape[-1]) for c in chosen])
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_a_capacity_that_holds_every_assignment_trains_as_hf_and_peft(name):
+    """moe_capacity_factor just large enough for the busiest expert of the reference batch (HF's
+    router logits: 32 tokens × 2 picks, up to 26 on one expert), below the batch: the gathered path
+    runs, and the training loss with aux and the LoRA gradients equal HF's and PEFT's."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ref, ids = reference(name), ids_of(name)
+    n, load = ids.size, int(assignment_counts(ref["router_logits"], 2).max())
+    assert load < n
+    factor = load / (n * 2 / 4)  # C = ceil(factor · N · k / E) = load
+    model = from_pretrained(fixture_path(name, "base"), moe_capacity_factor=factor)
+    model.set_train(True)
+    loss, aux, dropped = TrainingLoss(model)(ids)
+    assert abs(float(loss.asnumpy()) / float(ref["loss_with_aux"]) - 1) <= TOL
+    assert abs(float(aux.asnumpy()) / float(ref["aux_loss"]) - 1) <= TOL and float(dropped.asnumpy()) == 0
+    # The adapter moves the hidden states, and with them the routing: its own busiest expert.
+    exact = load_adapter(base(name, aux_loss=False), fixture_path(name, "lora_adapter"))
+    load = int(assignment_counts(np.stack([r.asnumpy() for r in exact.model.run(ids)[2]]), 2).max())
+    assert load < n
+    lora = from_pretrained(fixture_path(name, "base"), moe_capacity_factor=load / (n * 2 / 4))
+    lora.aux_loss_coef = 0.0
+    lora = load_adapter(lora, fixture_path(name, "lora_adapter"))
+    lora.set_train(True)
+    loss, grads = grads_by_peft_key(lora, ids)
+    assert abs(loss - float(ref["loss_lora"])) <= TOL * float(ref["loss_lora"])
+    worst = max(rel(g, ref[f"grad/{k}"]) for k, g in grads.items())
+    print(f"{name} capacity {load} of {n}: LoRA worst relative gradient error vs PEFT {worst:.2e}")
+    assert worst <= GRAD_RTOL
+
+
+def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_share():
+    """One MoE block against numpy: expert e runs on its C = ceil(f·N·k/E) tokens of largest
+    routing weight; an assignment beyond is dropped (its weight counts for nothing); the dropped
+    share is Σ_e max(count_e − C, 0) / (N·k). In eval the block is exact again."""
+    from mindqwen.models.qwen import SparseMoeBlock, dropped_share
+    cfg = QwenConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=8, norm_topk_prob=True, moe_capacity_factor=0.75)
+    rng = np.random.default_rng(0)
+    block = SparseMoeBlock(cfg)
+    for p in block.get_parameters():
+        p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    w = {p.name: p.asnumpy().astype(np.float64) for p in block.get_parameters()}
+    x = rng.normal(0, 1, (2, 10, 16)).astype(np.float32)
+    n, k, e_count, capacity = 20, 2, 4, 8  # ceil(0.75 · 20 · 2 / 4) = 8
+
+    x2 = x.reshape(n, 16).astype(np.float64)
+    logits = x2 @ w["gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, -1)[:, :k]
+    weights = np.zeros((n, e_count))
+    np.put_along_axis(weights, chosen, np.take_along_axis(probs, chosen, 1), 1)
+    weights /= weights.sum(-1, keepdims=True)
+
+    def expert(e, rows):
+        p = f"experts.{e}."
+        g, u = rows @ w[p + "gate_proj.weight"].T, rows @ w[p + "up_proj.weight"].T
+        return (g / (1 + np.exp(-g)) * u) @ w[p + "down_proj.weight"].T
+
+    exact, capped = np.zeros_like(x2), np.zeros_like(x2)
+    for e in range(e_count):
+        exact += weights[:, e:e + 1] * expert(e, x2)
+        kept = np.argsort(-weights[:, e])[:capacity]
+        capped[kept] += weights[kept, e:e + 1] * expert(e, x2[kept])
+    counts = np.bincount(chosen.ravel(), minlength=e_count)
+    assert counts.max() > capacity  # some assignments are dropped
+
+    block.set_train(True)
+    y, router_logits = block(Tensor(x))
+    np.testing.assert_allclose(y.asnumpy().reshape(n, 16), capped, atol=1e-5)
+    share = float(dropped_share((router_logits,), k, 0.75).asnumpy())
+    assert share == pytest.approx(np.maximum(counts - capacity, 0).sum() / (n * k), abs=1e-7)
+    block.set_train(False)
+    np.testing.assert_allclose(block(Tensor(x))[0].asnumpy().reshape(n, 16), exact, atol=1e-5)
+
+
+def test_fit_logs_the_share_that_the_capacity_dropped(tmp_path):
+    """The first logged step's moe_dropped equals the count from the initial router logits (one
+    batch holds all the data, so the order of its rows does not matter)."""
+    import json
+
+    from mindqwen import TokenDataset, TrainerConfig, fit
+    model = tiny_moe(num_experts=4, num_experts_per_tok=2, moe_capacity_factor=1.0)
+    data = np.random.default_rng(0).integers(0, 64, (8, 12))
+    logits = np.stack([r.asnumpy() for r in model.model.run(Tensor(data.astype(np.int32)))[2]])  # (L, N, E)
+    counts = assignment_counts(logits, 2)
+    expected = np.maximum(counts - 8 * 12 * 2 // 4, 0).sum() / (2 * 8 * 12 * 2)
+    assert expected > 0
+    summary = fit(model, TokenDataset(data), TrainerConfig(max_steps=2, micro_batch_size=8, lr=1e-3, warmup_steps=0,
+                                                           output_dir=str(tmp_path), progress=False))
+    rows = [json.loads(line) for line in open(summary["metrics"])]
+    assert rows[0]["moe_dropped"] == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        QwenConfig(moe_capacity_factor=1.0)
+    with pytest.raises(ConfigError, match="moe_capacity_factor"):
+        QwenConfig(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8, moe_capacity_factor=0)

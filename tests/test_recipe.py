@@ -147,3 +147,16 @@ def test_validate_cli_prints_one_line_errors(real_recipe):
                        capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "lora.target_modules" in r.stderr
+
+
+def test_model_config_overrides_a_checkpoints_config_and_names_an_unknown_field():
+    """model.config applies over model.checkpoint's config.json too (it was ignored there)."""
+    from mindqwen.config import ConfigError
+    from mindqwen.train.model import build_model, model_config
+    from mindqwen.train.recipe import ModelSection
+    folder = fixture_path("qwen3_moe_tiny", "base")
+    section = ModelSection(checkpoint=folder, config={"moe_capacity_factor": 1.25})
+    assert model_config(section).moe_capacity_factor == 1.25
+    assert build_model(section).model.layers[0].mlp.capacity_factor == 1.25
+    with pytest.raises(ConfigError, match=r"unknown QwenConfig field\(s\) \['hiden_size'\]"):
+        model_config(ModelSection(checkpoint=folder, config={"hiden_size": 8}))

@@ -295,13 +295,18 @@ class SparseMoeBlock(nn.Cell):
 
     Every expert runs on every token and is weighted by w (0 for the tokens that did not pick it):
     static shapes, HF's sum order (experts in index order), no token ever dropped, and an expert
-    no token picked gets an exact zero gradient.
+    no token picked gets an exact zero gradient. Training with ``moe_capacity_factor`` f, expert
+    e runs only on the C = ceil(f·N·k/E) tokens with the largest w[:, e], gathered, and its
+    outputs are summed back per token: exact while no expert is picked by more than C tokens
+    (measured on CPU, forward and backward: 2.2× faster at 8 experts top-2, 3.0× at 64 top-8,
+    f = 1.25; docs/performance.md).
     """
 
     def __init__(self, config: QwenConfig, dtype=ms.float32):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.capacity_factor = config.moe_capacity_factor
         self.gate = Router(config.hidden_size, config.num_experts, dtype)
         self.experts = nn.CellList([MLP(config, dtype, config.moe_intermediate_size)
                                     for _ in range(config.num_experts)])
@@ -323,12 +328,37 @@ class SparseMoeBlock(nn.Cell):
             top = top / top.sum(-1, keepdims=True)
         weights = (ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
                    * top.expand_dims(-1)).sum(1).astype(x.dtype)  # (N, E)
-        y = ops.zeros_like(x2)
-        for e, expert in enumerate(self.experts):
-            y = y + expert(x2) * weights[:, e:e + 1]
+        if self.capacity_factor is not None and self.training:
+            y = self._within_capacity(x2, weights)
+        else:
+            y = ops.zeros_like(x2)
+            for e, expert in enumerate(self.experts):
+                y = y + expert(x2) * weights[:, e:e + 1]
         if self.has_shared_expert:
             y = y + ops.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return y.reshape(x.shape), router_logits
+
+    def _within_capacity(self, x2, weights):
+        """x2 (N, H), weights (N, E) → Σ_e w[:, e] · expert_e(x) over each expert's C tokens of
+        largest weight (tokens that did not pick e have weight 0: they add nothing)."""
+        n = x2.shape[0]
+        capacity = min(n, math.ceil(self.capacity_factor * n * self.top_k / self.num_experts))
+        rows = ops.stop_gradient(ops.topk(weights.swapaxes(0, 1), capacity)[1])  # (E, C) token indices
+        out = [expert(ops.gather(x2, rows[e], 0)) * ops.gather(weights[:, e], rows[e], 0).expand_dims(-1)
+               for e, expert in enumerate(self.experts)]  # E × (C, H)
+        return ops.unsorted_segment_sum(ops.cat(out, 0), rows.reshape(-1), n)
+
+
+def dropped_share(router_logits, top_k: int, capacity_factor: float):
+    """The share of a batch's (token, expert) assignments that ``moe_capacity_factor`` dropped,
+    over all MoE layers: Σ_e max(count_e − C, 0) / (N·k) per layer, averaged. router_logits: a
+    tuple of (N, E) fp32, one per MoE layer."""
+    logits = ops.stop_gradient(ops.stack(router_logits))  # (L, N, E)
+    n, num_experts = logits.shape[1], logits.shape[2]
+    capacity = min(n, math.ceil(capacity_factor * n * top_k / num_experts))
+    chosen = ops.topk(logits, top_k)[1]  # (L, N, k): softmax keeps the order
+    counts = ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum((1, 2))  # (L, E)
+    return ops.relu(counts - capacity).sum() / (logits.shape[0] * n * top_k)
 
 
 def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
@@ -585,6 +615,7 @@ class QwenForCausalLM(nn.Cell):
         # Mixture of experts: the training loss adds HF's load-balancing loss with this weight.
         self.aux_loss_coef = config.router_aux_loss_coef if config.num_experts else 0.0
         self.top_k = config.num_experts_per_tok
+        self.capacity_factor = config.moe_capacity_factor if config.num_experts else None
 
     def construct(self, input_ids, attention_mask=None, labels=None):
         h, _, router_logits = self.model.run(input_ids, attention_mask)
@@ -600,11 +631,15 @@ class QwenForCausalLM(nn.Cell):
         return load_balancing_loss(self.model.run(input_ids, attention_mask)[2], self.top_k, attention_mask)
 
     def loss_and_aux_loss(self, input_ids, attention_mask, labels):
-        """A mixture of experts' training loss (``model(input_ids, attention_mask, labels)``)
-        and, unweighted, the load-balancing loss it includes: what ``fit`` logs."""
+        """A mixture of experts' training loss (``model(input_ids, attention_mask, labels)``),
+        unweighted, the load-balancing loss it includes and, with ``moe_capacity_factor``, the
+        share of assignments dropped (``dropped_share``): what ``fit`` logs."""
         h, _, router_logits = self.model.run(input_ids, attention_mask)
         aux = load_balancing_loss(router_logits, self.top_k, attention_mask)
-        return self.loss(h, labels) + self.aux_loss_coef * aux, aux
+        loss = self.loss(h, labels) + self.aux_loss_coef * aux
+        if self.capacity_factor is None:
+            return loss, aux
+        return loss, aux, dropped_share(router_logits, self.top_k, self.capacity_factor)
 
     def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
         """KV-cache step (see ``QwenModel.cached``): next-token logits (B, V) fp32 at the last
@@ -641,19 +676,21 @@ class QwenForCausalLM(nn.Cell):
         return -ops.reduce_sum(_label_log_probs(shift_logits, shift_labels)) / count
 
     @classmethod
-    def from_pretrained(cls, folder: str, dtype: str = "float32",
-                        allow_non_finite: bool = False) -> "QwenForCausalLM":
+    def from_pretrained(cls, folder: str, dtype: str = "float32", allow_non_finite: bool = False,
+                        **overrides) -> "QwenForCausalLM":
         """Build the model of an HF folder (config.json + safetensors, single or sharded).
 
         Args:
             dtype: parameter dtype: "float32", "float16" or "bfloat16" (not on CPU, which has no
                 bf16 kernels). bf16 files widen to fp32 exactly.
             allow_non_finite: load tensors holding NaN or inf (else ``CheckpointError`` naming them).
+            **overrides: ``QwenConfig`` fields over the folder's config.json, as HF's keyword
+                arguments (e.g. ``moe_capacity_factor=1.25``).
         """
         hf.check_dtype(dtype, ms.get_context("device_target"))
         if not os.path.isdir(folder):
             raise CheckpointError(f"{folder}: checkpoint folder not found")
-        config = QwenConfig.from_hf(folder)
+        config = QwenConfig.from_hf(folder).replace(**overrides)
         with hf.no_init_parameters():  # the checkpoint replaces every weight: one copy in RAM
             model = cls(config, dtype=hf.DTYPES[dtype][0])
         if config.model_type == "qwen":  # the original Qwen's own layout (fused c_attn, transformer.h.*)

@@ -11,14 +11,14 @@ from mindqwen.train.recipe import ModelSection
 
 
 def model_config(section: ModelSection, vocab_size: Optional[int] = None) -> QwenConfig:
-    """The checkpoint's config, else the preset's / explicit one (``section.config`` overrides).
+    """The checkpoint's config, else the preset's / explicit one (``section.config`` overrides either).
 
     Args:
         vocab_size: the tokenizer's vocabulary, used when neither the checkpoint nor the
             section fixes it (the demos train their own tokenizers).
     """
     if section.checkpoint:
-        return QwenConfig.from_hf(section.checkpoint)
+        return QwenConfig.from_hf(section.checkpoint).replace(**section.config)
     overrides = dict(section.config)
     if vocab_size is not None:
         overrides.setdefault("vocab_size", vocab_size)
@@ -28,5 +28,5 @@ def model_config(section: ModelSection, vocab_size: Optional[int] = None) -> Qwe
 def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
     """From an HF checkpoint, or random weights of ``model_config(section, vocab_size)``."""
     if section.checkpoint:
-        return QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype)
+        return QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype, **section.config)
     return QwenForCausalLM(model_config(section, vocab_size), getattr(ms, section.dtype))

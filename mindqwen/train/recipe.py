@@ -47,7 +47,8 @@ class ModelSection:
         checkpoint: HF folder to start from (config.json + safetensors); None builds from
             ``preset`` / ``config`` with random weights.
         preset: a published shape (``mindqwen.presets.PRESETS``), used without a checkpoint.
-        config: QwenConfig field overrides (e.g. a tiny ``num_hidden_layers`` for a test).
+        config: QwenConfig field overrides (e.g. a tiny ``num_hidden_layers`` for a test, or a
+            checkpoint's ``moe_capacity_factor``).
         dtype: parameter dtype: float32 | float16 | bfloat16 (Ascend only).
     """
 

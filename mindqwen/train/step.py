@@ -30,7 +30,8 @@ class CausalLMLoss(nn.Cell):
     """The default loss: ``model(input_ids, labels=labels)`` of a causal LM.
 
     A loss network may report more than the loss: it then returns (loss, *reported) and names
-    them in ``reported`` (here a mixture of experts' unweighted load-balancing loss); the step
+    them in ``reported`` (here a mixture of experts' unweighted load-balancing loss and the share
+    of assignments its capacity dropped); the step
     differentiates the loss only and hands the rest to the metrics.
     """
 
@@ -39,8 +40,11 @@ class CausalLMLoss(nn.Cell):
         micro-batch cell takes the loss alone)."""
         super().__init__(auto_prefix=False)
         self.model = model
-        moe = getattr(getattr(model, "config", None), "num_experts", 0)
-        self.reported = ("aux_loss",) if moe and report else ()
+        config = getattr(model, "config", None)
+        self.reported = ()
+        if getattr(config, "num_experts", 0) and report:
+            dropped = ("moe_dropped",) if config.moe_capacity_factor is not None else ()
+            self.reported = ("aux_loss",) + dropped
 
     def construct(self, input_ids, labels):
         if self.reported:
