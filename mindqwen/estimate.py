@@ -16,13 +16,19 @@ Per device under data (dp) × tensor (tp) × pipeline (pp) parallel, the worst p
 
 On CPU the activation term is scaled by a measured factor (see ``CPU_ACTIVATION_FACTOR``).
 
+A multimodal recipe adds the vision tower, the projector and the gated cross-attention blocks
+(``multimodal_parameters``, a closed form of ``mindqwen.multimodal``'s Cells) to the weights,
+its groups' trainable parameters (frozen | lora | full, as the recipe's policy sets them) to the
+gradients and optimizer states, and what the tower and the cross-attention keep for backward
+to the activations (the same per-tensor model as the LM's, not calibrated separately).
+
 A device fits when the total is ≤ 90% of its memory (the seeds' headroom rule).
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from mindqwen.config import QwenConfig
@@ -52,6 +58,7 @@ class Estimate:
     capacity: float  # bytes
     notes: List[str]
     parameters: Tuple[int, int] = ()  # (total, active per token)
+    groups: Dict[str, int] = field(default_factory=dict)  # multimodal: parameters per group
 
     @property
     def total(self) -> float:
@@ -91,6 +98,43 @@ def model_parameters(config: QwenConfig) -> Tuple[int, int]:
     _, embed, head = parameter_counts(config)
     rest = embed + head + config.hidden_size
     return sum(t for t, _ in layers) + rest, sum(a for _, a in layers) + rest
+
+
+def vision_parameters(v) -> int:
+    """The ViT (``mindqwen.multimodal.vision.VisionEncoder``) of a ``VisionConfig``: patch
+    embedding, position table, blocks (LayerNorm, attention with biases, MLP; video adds a
+    temporal attention and its norm per block and a frame table), final LayerNorm."""
+    d, i = v.hidden_size, v.intermediate_size
+    attention = 4 * (d * d + d)
+    block = 2 * d + attention + 2 * d + (d * i + i) + (i * d + d)
+    embed = v.num_channels * v.patch_size ** 2 * d + d + v.num_patches * d
+    if v.num_frames > 1:
+        block += 2 * d + attention
+        embed += v.num_frames * d
+    return embed + v.num_hidden_layers * block + 2 * d
+
+
+def multimodal_parameters(config: QwenConfig, vision, cross_layers) -> Dict[str, int]:
+    """Parameters of what a multimodal model adds to its LM, per group: the ViT, the projector
+    (Linear(Dv, H) → GELU → Linear(H, H), with biases) and each gated cross-attention block
+    (RMSNorm, q/k/v/o without bias, q/k RMSNorm over the head, a scalar gate)."""
+    h, dv = config.hidden_size, vision.hidden_size
+    head = h // config.num_attention_heads
+    return {"vision": vision_parameters(vision), "projector": dv * h + h + h * h + h,
+            "cross_attention": len(cross_layers) * (h + 4 * h * h + 2 * head + 1)}
+
+
+def multimodal_activation_bytes(config: QwenConfig, vision, cross_layers, batch: int, seq: int) -> float:
+    """What the ViT, the projector and the cross-attention blocks keep for backward (fp32)."""
+    d, i, heads = vision.hidden_size, vision.intermediate_size, vision.num_attention_heads
+    frames, patches = vision.num_frames, vision.num_patches
+    tokens = batch * frames * patches
+    block = tokens * (10 * d + 2 * i) * 4 + batch * frames * heads * patches ** 2 * 4 * 2
+    if frames > 1:  # attention across the frames of each patch
+        block += tokens * 6 * d * 4 + batch * patches * heads * frames ** 2 * 4 * 2
+    h, per_sample = config.hidden_size, frames * patches  # vision tokens each text token attends to
+    cross = batch * seq * 8 * h * 4 + batch * config.num_attention_heads * seq * per_sample * 4 * 2
+    return vision.num_hidden_layers * block + tokens * (2 * h) * 4 + len(cross_layers) * cross
 
 
 def lora_counts(config: QwenConfig, lora) -> int:
@@ -178,17 +222,50 @@ def estimate_recipe(recipe, device: str) -> Estimate:
     m = recipe.model
     if m.checkpoint and m.preset and not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
         config = QwenConfig.from_preset(m.preset, **m.config)
+    elif recipe.multimodal is not None:  # the demo's vocabulary: its caption pieces and <image>
+        config = recipe_model_config(recipe, "recipe", recipe.multimodal.shapes.vocab_size + 1)
     else:
         config = recipe_model_config(recipe, "recipe")
-    return estimate(config, recipe.lora, recipe.trainer, recipe.parallel, recipe.model.dtype,
-                    recipe.data.seq_length, device)
+    e = estimate(config, recipe.lora, recipe.trainer, recipe.parallel, recipe.model.dtype,
+                 recipe.data.seq_length, device)
+    return e if recipe.multimodal is None else _with_multimodal(e, config, recipe)
+
+
+def _with_multimodal(e: Estimate, config: QwenConfig, recipe) -> Estimate:
+    """``e`` (the LM alone, nothing trainable) with the multimodal groups added."""
+    from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
+    from mindqwen.io.hf import no_init_parameters
+    from mindqwen.models.qwen import QwenForCausalLM
+    m, weight_bytes = recipe.multimodal, BYTES[recipe.model.dtype]
+    groups = {"text": model_parameters(config)[0], **multimodal_parameters(config, m.vision, m.cross_layers)}
+    with no_init_parameters():  # shapes only: which parameters the policy trains (LoRA ranks, targets)
+        model = MultimodalQwen(QwenForCausalLM(config), m.vision, m.cross_layers, m.shapes.vocab_size)
+    trainable = trainable_by_group(apply_multimodal_lora(model, m.policy))
+    # LoRA adapters are fp32; a fully trained group keeps its states in the parameters' dtype
+    state = sum(n * (4 if getattr(m.policy, g).mode == "lora" else weight_bytes) for g, n in trainable.items())
+    activations = multimodal_activation_bytes(config, m.vision, m.cross_layers, recipe.trainer.micro_batch_size,
+                                              recipe.data.seq_length)
+    parts = dict(e.parts, weights=sum(groups.values()) * weight_bytes, gradients=state, optimizer=2 * state,
+                 activations=e.parts["activations"] + (CPU_ACTIVATION_FACTOR if e.device.startswith("CPU") else 1)
+                 * activations)
+    if "accumulators" in parts:
+        parts["accumulators"] = state
+    total = sum(groups.values())
+    return Estimate(parts, e.device, e.capacity, e.notes, (total, total), groups)
+
+
+def _count(n: int) -> str:
+    """Billions for real models, the exact count for tiny ones (0.00 B says nothing)."""
+    return f"{n / 1e9:.2f} B" if n >= 10**8 else f"{n:,}"
 
 
 def format_estimate(e: Estimate) -> str:
     lines = [f"memory per device on {e.device}:"] if not e.parameters else [
-        f"parameters: {e.parameters[0] / 1e9:.2f} B" + (f", {e.parameters[1] / 1e9:.2f} B active per token"
-                                                        if e.parameters[1] != e.parameters[0] else ""),
+        f"parameters: {_count(e.parameters[0])}" + (f", {_count(e.parameters[1])} active per token"
+                                                   if e.parameters[1] != e.parameters[0] else ""),
         f"memory per device on {e.device}:"]
+    if e.groups:
+        lines.insert(1, "  " + ", ".join(f"{g.replace('_', '-')} {n:,}" for g, n in e.groups.items()))
     lines += [f"  {name:12s} {value / GB:8.2f} GB" for name, value in e.parts.items()]
     lines.append(f"  {'total':12s} {e.total / GB:8.2f} GB of {HEADROOM:.0%} × {e.capacity / GB:.0f} GB = "
                  f"{HEADROOM * e.capacity / GB:.1f} GB usable: {'fits' if e.fits else 'does NOT fit'}")

@@ -61,3 +61,36 @@ def test_bundled_recipes_fit_where_they_say():
     assert "does NOT fit" in out and "to fit:" in out
     optimizer = float(out.split("optimizer")[1].split("GB")[0])
     assert abs(optimizer - 2 * 7_615_616_512 * 2 / GB) < 0.01
+
+
+@pytest.mark.parametrize("frames", [1, 4])
+def test_multimodal_estimate_counts_every_group_in_closed_form(frames):
+    """The shapes recipe (LM hidden 64 in 2 layers; ViT 32 px, patch 8, width 64, MLP 128, 2 blocks;
+    cross-attention after both layers), counted by hand and against the built Cells."""
+    from mindqwen.estimate import estimate_recipe, format_estimate
+    from mindqwen.models.qwen import QwenForCausalLM
+    from mindqwen.multimodal.fusion import MultimodalQwen, group_of
+    from mindqwen.train.model import model_config
+    from mindqwen.train.recipe import load_recipe
+    recipe = load_recipe("multimodal/shapes", [f"multimodal.vision.num_frames={frames}"])
+    e = estimate_recipe(recipe, "CPU")
+    block = 2 * 64 + 4 * (64 * 64 + 64) + 2 * 64 + (64 * 128 + 128) + (128 * 64 + 64)  # norm, attention, norm, MLP
+    temporal = 2 * 64 + 4 * (64 * 64 + 64) if frames > 1 else 0  # norm, attention across frames
+    embed = 3 * 8 * 8 * 64 + 64 + 16 * 64 + (frames * 64 if frames > 1 else 0)  # patches, 16 positions, frames
+    assert e.groups["vision"] == embed + 2 * (block + temporal) + 2 * 64
+    assert e.groups["projector"] == (64 * 64 + 64) + (64 * 64 + 64)
+    assert e.groups["cross_attention"] == 2 * (64 + 4 * 64 * 64 + 2 * 16 + 1)  # norm, q/k/v/o, q/k norms, gate
+    m = recipe.multimodal
+    model = MultimodalQwen(QwenForCausalLM(model_config(recipe.model, m.shapes.vocab_size + 1)), m.vision,
+                           m.cross_layers, m.shapes.vocab_size)
+    built = dict.fromkeys(e.groups, 0)
+    for p in model.get_parameters():
+        built[group_of(p.name)] += int(p.size)
+    assert built == e.groups and e.parameters[0] == sum(built.values())
+    assert f"vision {e.groups['vision']:,}" in format_estimate(e)
+    # trained, fp32: vision LoRA r 8 on q/k/v/o of 2 blocks (video: r 4 on the temporal ones), the
+    # projector, text LoRA r 8 on q, k, v, o, gate, up, down (64→64, 64→32, 64→32, 64→64, 3 × 64↔128)
+    # of 2 layers, the cross-attention blocks
+    vision_lora = 2 * 4 * 8 * (64 + 64) + (2 * 4 * 4 * (64 + 64) if frames > 1 else 0)
+    text_lora = 2 * 8 * (128 + 96 + 96 + 128 + 3 * 192)
+    assert e.parts["gradients"] == 4 * (vision_lora + e.groups["projector"] + text_lora + e.groups["cross_attention"])
