@@ -229,33 +229,35 @@ def test_frame_sampling_takes_segment_centres():
     assert sample_frames(2, 4).tolist() == [0, 0, 1, 1]  # short videos repeat frames
 
 
-def test_video_text_pipeline_gives_t_x_3x224x224(tmp_path):
-    """A .npy video and a folder of frames, of any length and size, become (T, 3, 224, 224) rows;
-    the dataset batches them (B, T, 3, S, S); a bad video names its file."""
+def test_video_rows_give_t_x_3x224x224(tmp_path):
+    """A .npy video and a folder of frames, of any length and size, become (T, 3, 224, 224) rows
+    (``MediaColumn``); the loader batches them (B, T, 3, S, S); a bad video names its row and file."""
     from PIL import Image
-    from mindqwen.multimodal.data import VideoTextSource, video_text_dataset
+    from mindqwen.data.loader import BatchLoader, TokenDataset
+    from mindqwen.multimodal.data import MediaColumn
     rng = np.random.default_rng(0)
     np.save(tmp_path / "clip.npy", rng.integers(0, 255, (37, 97, 61, 3), dtype=np.uint8))
     (tmp_path / "frames").mkdir()
     for i in range(3):
         Image.fromarray(rng.integers(0, 255, (300, 500, 3), dtype=np.uint8)).save(tmp_path / "frames" / f"{i:03d}.png")
-    records = [(str(tmp_path / "clip.npy"), "a dog runs"), (str(tmp_path / "frames"), "a cat sits")]
-    source = VideoTextSource(records, WordTokenizer(), IMAGE_TOKEN, 32, num_frames=4)
-    for i in range(2):
-        pixels, ids, labels = source[i]
-        assert pixels.shape == (4, 3, 224, 224) and pixels.dtype == np.float32 and ids.shape == labels.shape == (32,)
+    paths = [str(tmp_path / "clip.npy"), str(tmp_path / "frames")]
+    column = MediaColumn(paths, ["a.jsonl:1", "a.jsonl:2"], VisionConfig(**{**VISION, "image_size": 224}, num_frames=4))
+    pixels = column[np.arange(2)]
+    assert pixels.shape == (2, 4, 3, 224, 224) and pixels.dtype == np.float32
     frames = np.load(tmp_path / "clip.npy")[[4, 13, 23, 32]]  # sample_frames(37, 4)
     expected = np.stack([apply_transforms(f, image_transforms(224)) for f in frames])
-    np.testing.assert_array_equal(source[0][0], expected)
-    small = VideoTextSource(records, WordTokenizer(), IMAGE_TOKEN, 32, num_frames=2, image_size=32)
-    batch = next(video_text_dataset(small, 2, shuffle=False).create_tuple_iterator(output_numpy=True))
-    assert [b.shape for b in batch] == [(2, 2, 3, 32, 32), (2, 32), (2, 32)]
+    np.testing.assert_array_equal(pixels[0], expected)
+    small = MediaColumn(paths, ["a.jsonl:1", "a.jsonl:2"], VisionConfig(**{**VISION, "image_size": 32}, num_frames=2))
+    tokens = TokenDataset(np.zeros((2, 32), np.int32), pixel_values=small)
+    batch = next(iter(BatchLoader(tokens, 2, shuffle=False).stream(0, 1)))
+    assert [b.shape for b in batch] == [(2, 32), (2, 32), (2, 2, 3, 32, 32)]
     (tmp_path / "bad.npy").write_bytes(b"not an array")
-    with pytest.raises(ValueError, match="bad.npy: cannot read the video"):
-        VideoTextSource([(str(tmp_path / "bad.npy"), "x")], WordTokenizer(), IMAGE_TOKEN, 32, 4)[0]
+    with pytest.raises(ValueError, match="a.jsonl:1: .*bad.npy: cannot read the video"):
+        MediaColumn([str(tmp_path / "bad.npy")], ["a.jsonl:1"], VisionConfig(**VISION, num_frames=4))[0]
     np.save(tmp_path / "flat.npy", np.zeros((4, 8, 8), np.uint8))
     with pytest.raises(ValueError, match=r"flat.npy: a video array is \(T, H, W, 3\)"):
-        VideoTextSource([(str(tmp_path / "flat.npy"), "x")], WordTokenizer(), IMAGE_TOKEN, 32, 4)[0]
+        MediaColumn([str(tmp_path / "flat.npy")], ["a.jsonl:1"], VisionConfig(**VISION, num_frames=4))[0]
+
 
 @pytest.mark.parametrize("frames", [1, 4])
 def test_vision_export_matches_the_eager_tower_at_any_batch(frames, tmp_path):

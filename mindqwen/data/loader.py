@@ -105,6 +105,15 @@ class BatchLoader:
             step += 1
 
 
+    def stream(self, start_step: int, stop_step: int) -> Iterator[Tuple[np.ndarray, ...]]:
+        """``iterate``, or, when the pixel values stay on disk (``MediaColumn``), the same
+        batches through ``mindspore_dataset``'s parallel pipeline."""
+        if not hasattr(self.data.pixel_values, "load"):
+            return self.iterate(start_step, stop_step)
+        dataset = mindspore_dataset(self, stop_step, start_step, self.data.pixel_values.workers)
+        return dataset.create_tuple_iterator(output_numpy=True, num_epochs=1, do_copy=False)
+
+
 class _StepSource:
     """Random-access source for ``GeneratorDataset``: item ``i`` is the batch of step ``i``."""
 
@@ -118,17 +127,44 @@ class _StepSource:
         return self.steps
 
 
+class _RowSource:
+    """Random-access source of single rows: item ``k`` is row ``k % batch_size`` of step
+    ``k // batch_size``'s batch, its pixels decoded (``MediaColumn.load``) but not transformed."""
+
+    def __init__(self, loader: BatchLoader, steps: int):
+        self.loader, self.steps = loader, steps
+
+    def __getitem__(self, k: int) -> Tuple[np.ndarray, ...]:
+        loader, data = self.loader, self.loader.data
+        step, j = divmod(int(k), loader.batch_size)
+        epoch, i = divmod(step, loader.steps_per_epoch)
+        row = loader.order(epoch)[i * loader.batch_size + j]
+        return data.input_ids[row].astype(np.int32), data.labels[row].astype(np.int32), data.pixel_values.load(row)
+
+    def __len__(self) -> int:
+        return self.steps * self.loader.batch_size
+
+
 def mindspore_dataset(loader: BatchLoader, steps: int, start_step: int = 0, workers: int = 1):
     """The loader's batches for steps [start_step, steps) as a MindSpore dataset
     (``input_ids``, ``labels``: int32 [batch, seq], and ``pixel_values``), fixed shapes for graph mode.
 
-    Resuming is ``set_init_step``: batches are computed by index, so nothing before
+    Rows whose pixels stay on disk (a ``MediaColumn``) go row by row: ``workers`` threads read and
+    decode, the column's transforms (resize, crop, normalise) are mapped in ``workers`` more, then
+    ``batch``. Resuming is ``set_init_step``: batches are computed by index, so nothing before
     ``start_step`` is read, and step k's batch is the same whatever the start or worker count.
     """
     import mindspore.dataset as msd
     if not 0 <= start_step <= steps:
         raise ValueError(f"start_step={start_step} must be in [0, steps={steps}]")
-    dataset = msd.GeneratorDataset(_StepSource(loader, steps), loader.data.columns, shuffle=False,
-                                   num_parallel_workers=workers, python_multiprocessing=False)
+    column = loader.data.pixel_values
+    if not hasattr(column, "load"):
+        dataset = msd.GeneratorDataset(_StepSource(loader, steps), loader.data.columns, shuffle=False,
+                                       num_parallel_workers=workers, python_multiprocessing=False)
+    else:
+        dataset = msd.GeneratorDataset(_RowSource(loader, steps), loader.data.columns, shuffle=False,
+                                       num_parallel_workers=workers, python_multiprocessing=False)
+        dataset = dataset.map(column.transforms, input_columns="pixel_values", num_parallel_workers=workers)
+        dataset = dataset.batch(loader.batch_size, drop_remainder=True)
     dataset.set_init_step(start_step)
     return dataset

@@ -1,18 +1,20 @@
-"""Image-text data in the MindSpore dataset API: the seeds' transforms, captions through the
-chat template with loss on the caption only, and the image placeholder.
+"""Image-text and video-text data: JSONL records whose images stay on disk, read through the
+MindSpore dataset pipeline (``mindqwen.data.loader.mindspore_dataset``) with the seeds' transforms.
 
+    {"image": "img/1.jpg", "caption": "..."}  or  {"image": ..., "messages": [... "<image>" ...]}
     file ─► load_image (RGB, HWC uint8; a corrupt file is an error naming it)
          ─► Resize(256) (shorter side) ─► CenterCrop(224) ─► Rescale(1/255) ─► Normalize ─► HWC2CHW
          ─► pixel_values (3, 224, 224) float32
 
-Video: ``load_video`` reads a ``.npy`` array (T, H, W, 3) or a folder of frame images;
-``sample_frames`` picks ``num_frames`` evenly spread frames (the centre of each of ``num_frames``
-equal segments, VideoMAE's test-time sampling); the image transforms run on every frame
-→ pixel_values (T, 3, 224, 224).
+Video (``{"video": "clip.npy" | "frames/", ...}``): ``load_clip`` reads the ``num_frames`` frames
+``sample_frames`` picks (the centre of each of ``num_frames`` equal segments, VideoMAE's test-time
+sampling) from a memory-mapped ``.npy`` (T, H, W, 3) or a folder of frame images; the image
+transforms run on every frame → pixel_values (T, 3, 224, 224).
 
-A sample's tokens are ``<|im_start|>user\\n<image>Describe the image.<|im_end|>\\n<|im_start|>assistant\\n``
-then the caption and EOS; labels are -100 everywhere but the caption and EOS. ``<image>`` is one
-token, ``image_token_id``: text from it on attends to the image (``MultimodalQwen``).
+A caption's tokens are ``<|im_start|>user\n<image>Describe the image.<|im_end|>\n<|im_start|>assistant\n``
+then the caption and EOS; labels are -100 everywhere but the caption and EOS. A conversation goes
+through the chat template with the text path's assistant-only labels. ``<image>`` is one token,
+``image_token_id``: text from it on attends to the image (``MultimodalQwen``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 PROMPT = "Describe the image."
 IGNORE_INDEX = -100
+PLACEHOLDERS = ("<image>", "<video>")  # where a conversation's image goes
+IMAGE_PAD = "<|image_pad|>"  # Qwen's tokenizers carry this id for vision tokens
 
 
 def image_transforms(image_size: int = 224, resize: Optional[int] = None) -> List[Callable]:
@@ -77,66 +81,6 @@ def encode_caption(tokenizer, caption: str, image_token_id: int, seq_length: int
     return ids, labels
 
 
-class ImageTextSource:
-    """Random-access (image, input_ids, labels) rows for ``GeneratorDataset``.
-
-    Args:
-        records: (image path or HWC uint8 array, caption) pairs.
-    """
-
-    def __init__(self, records: Sequence[Tuple[object, str]], tokenizer, image_token_id: int, seq_length: int,
-                 template: str = "qwen2.5"):
-        self.records = list(records)
-        self.tokens = [encode_caption(tokenizer, c, image_token_id, seq_length, template) for _, c in self.records]
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int):
-        image = self.records[i][0]
-        image = load_image(image) if isinstance(image, str) else np.asarray(image, np.uint8)
-        return (image, *self.tokens[i])
-
-
-def image_text_dataset(source: ImageTextSource, batch_size: int, image_size: int = 224, shuffle: bool = True,
-                       num_workers: int = 1, seed: int = 0):
-    """A batched ``GeneratorDataset``: columns pixel_values (B, 3, S, S), input_ids, labels (B, L).
-
-    The transforms run in ``num_workers`` parallel workers (the machines here have 2 cores:
-    MindSpore caps it at the core count).
-    """
-    import mindspore.dataset as ds
-    ds.config.set_seed(seed)
-    data = ds.GeneratorDataset(source, ["pixel_values", "input_ids", "labels"], shuffle=shuffle)
-    data = data.map(image_transforms(image_size), input_columns="pixel_values", num_parallel_workers=num_workers)
-    return data.batch(batch_size, drop_remainder=True)
-
-
-def load_video(path: str) -> np.ndarray:
-    """A video as (T, H, W, 3) uint8: a ``.npy`` array of that shape, or a folder of frame images
-    (sorted by name).
-
-    Raises:
-        ValueError: naming ``path`` (or the frame) when it is missing, unreadable or misshapen.
-    """
-    import os
-    if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if not n.startswith("."))
-        if not names:
-            raise ValueError(f"{path}: no frames in the folder")
-        frames = [load_image(os.path.join(path, n)) for n in names]
-        if len({f.shape for f in frames}) > 1:
-            raise ValueError(f"{path}: frames differ in size ({sorted({f.shape for f in frames})})")
-        return np.stack(frames)
-    try:
-        video = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read the video ({e})") from None
-    if video.ndim != 4 or video.shape[-1] != 3:
-        raise ValueError(f"{path}: a video array is (T, H, W, 3), got shape {video.shape}")
-    return video.astype(np.uint8)
-
-
 def sample_frames(total: int, num_frames: int) -> np.ndarray:
     """Indices of ``num_frames`` frames out of ``total``: the centre of each of ``num_frames`` equal
     segments (a short video repeats frames rather than failing)."""
@@ -145,35 +89,224 @@ def sample_frames(total: int, num_frames: int) -> np.ndarray:
     return np.minimum(((np.arange(num_frames) + 0.5) * total / num_frames).astype(np.int64), total - 1)
 
 
-def video_pixels(video: np.ndarray, num_frames: int, transforms: Sequence[Callable]) -> np.ndarray:
-    """(T_any, H, W, 3) uint8 → (num_frames, 3, S, S) float32: sampled frames, each transformed."""
-    return np.stack([apply_transforms(video[i], transforms) for i in sample_frames(len(video), num_frames)])
+def load_clip(path: str, num_frames: int) -> np.ndarray:
+    """The ``num_frames`` sampled frames of a video (``sample_frames``) as (num_frames, H, W, 3)
+    uint8, reading only those: a ``.npy`` is memory-mapped, a folder decodes the chosen files."""
+    import os
+    if os.path.isdir(path):
+        names = _frame_names(path)
+        frames = [load_image(os.path.join(path, names[i])) for i in sample_frames(len(names), num_frames)]
+        if len({f.shape for f in frames}) > 1:
+            raise ValueError(f"{path}: frames differ in size ({sorted({f.shape for f in frames})})")
+        return np.stack(frames)
+    video = _video_array(path)
+    return np.asarray(video[sample_frames(len(video), num_frames)], np.uint8)
 
 
-class VideoTextSource(ImageTextSource):
-    """Random-access (pixel_values (T, 3, S, S), input_ids, labels) rows of video-caption pairs.
+def _frame_names(folder: str) -> List[str]:
+    import os
+    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    if not names:
+        raise ValueError(f"{folder}: no frames in the folder")
+    return names
+
+
+def _video_array(path: str) -> np.ndarray:
+    try:
+        video = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the video ({e})") from None
+    if video.ndim != 4 or video.shape[-1] != 3 or len(video) == 0:
+        raise ValueError(f"{path}: a video array is (T, H, W, 3) with T ≥ 1, got shape {video.shape}")
+    return video
+
+
+def check_media(path: str, video: bool) -> None:
+    """Cheap checks before training (no pixel decoding): the file exists, an image's structure
+    reads (PIL ``verify``: header, PNG chunk checksums), a video array's header and shape, a
+    frames folder's files.
+
+    Raises:
+        ValueError: naming ``path`` and what is wrong.
+    """
+    import os
+    from PIL import Image
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file")
+    if video and path.endswith(".npy"):
+        _video_array(path)
+        return
+    if video and not os.path.isdir(path):
+        raise ValueError(f"{path}: a video is a .npy array (T, H, W, 3) or a folder of frame images")
+    for name in (_frame_names(path) if video else [""]):
+        file = os.path.join(path, name) if name else path
+        try:
+            with Image.open(file) as img:
+                img.verify()
+        except (OSError, SyntaxError, ValueError) as e:
+            raise ValueError(f"{file}: cannot read the image ({e})") from None
+
+
+class MediaColumn:
+    """The ``pixel_values`` of rows whose images (or videos) stay on disk, decoded when a batch
+    needs them. ``TokenDataset`` takes it in place of an array; ``mindspore_dataset`` reads
+    ``load`` in its source workers and maps ``transforms`` in its own workers.
 
     Args:
-        records: (video path — ``.npy`` or a frames folder — or (T, H, W, 3) array, caption) pairs.
+        paths: one image file, video ``.npy`` or frames folder per row.
+        origins: ``file:line`` of each row, for errors.
+        vision: the encoder's input: ``image_size`` and ``num_frames`` (> 1: videos).
+        workers: parallel workers for reading and for the transforms.
     """
 
-    def __init__(self, records: Sequence[Tuple[object, str]], tokenizer, image_token_id: int, seq_length: int,
-                 num_frames: int, image_size: int = 224, template: str = "qwen2.5"):
-        super().__init__(records, tokenizer, image_token_id, seq_length, template)
-        self.num_frames, self.transforms = num_frames, image_transforms(image_size)
+    def __init__(self, paths: Sequence[str], origins: Sequence[str], vision, workers: int = 2):
+        if len(paths) != len(origins):
+            raise ValueError(f"{len(paths)} paths for {len(origins)} origins")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.paths, self.origins, self.workers = list(paths), list(origins), workers
+        self.num_frames, self.image_size = vision.num_frames, vision.image_size
+        self.image_transforms = image_transforms(vision.image_size)
 
-    def __getitem__(self, i: int):
-        video = self.records[i][0]
-        video = load_video(video) if isinstance(video, str) else np.asarray(video, np.uint8)
-        return (video_pixels(video, self.num_frames, self.transforms), *self.tokens[i])
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        frames = (self.num_frames,) if self.num_frames > 1 else ()
+        return (len(self.paths),) + frames + (3, self.image_size, self.image_size)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def load(self, i: int) -> np.ndarray:
+        """Row ``i`` decoded, before the transforms: (H, W, 3) or (num_frames, H, W, 3) uint8."""
+        try:
+            if self.num_frames > 1:
+                return load_clip(self.paths[i], self.num_frames)
+            return load_image(self.paths[i])
+        except ValueError as e:
+            raise ValueError(f"{self.origins[i]}: {e}") from None
+
+    @property
+    def transforms(self) -> List[Callable]:
+        """What the dataset maps over a loaded row: the image ops, or them on every frame."""
+        return self.image_transforms if self.num_frames == 1 else [self._frames]
+
+    def _frames(self, clip: np.ndarray) -> np.ndarray:
+        return np.stack([apply_transforms(frame, self.image_transforms) for frame in clip])
+
+    def __getitem__(self, index) -> np.ndarray:
+        """Rows ``index`` (an int array) decoded and transformed: (len(index), …, 3, S, S) float32."""
+        return np.stack([apply_transforms(self.load(i), self.transforms) for i in np.atleast_1d(index)])
 
 
-def video_text_dataset(source: VideoTextSource, batch_size: int, shuffle: bool = True, num_workers: int = 1,
-                       seed: int = 0):
-    """A batched ``GeneratorDataset``: pixel_values (B, T, 3, S, S), input_ids, labels (B, L);
-    decoding and the per-frame transforms run in ``num_workers`` parallel workers."""
-    import mindspore.dataset as ds
-    ds.config.set_seed(seed)
-    data = ds.GeneratorDataset(source, ["pixel_values", "input_ids", "labels"], shuffle=shuffle,
-                               num_parallel_workers=num_workers)
-    return data.batch(batch_size, drop_remainder=True)
+def image_token_id(tokenizer) -> int:
+    """The id that stands for the image: Qwen's ``<|image_pad|>`` when the tokenizer has it, else
+    one past the tokenizer's vocabulary (the LM's ``vocab_size`` must exceed it)."""
+    added = getattr(tokenizer, "added", None) or {}
+    return added.get(IMAGE_PAD, tokenizer.vocab_size)
+
+
+def encode_messages(messages, tokenizer, image_id: int, seq_length: int,
+                    template: str = "qwen2.5") -> Tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) (seq_length,) int32 of a conversation whose user turn holds one
+    ``<image>`` (or ``<video>``) placeholder: the chat template, the placeholder as ``image_id``,
+    labels on the assistant turns only (as the text path's ``encode_chat``), padding.
+
+    Raises:
+        ValueError: no placeholder or more than one, or the conversation does not fit.
+    """
+    from mindqwen.data.chat import render
+    text, spans = render(messages, template)
+    places = [(text.find(tag), tag) for tag in PLACEHOLDERS if tag in text]
+    if len(places) != 1 or sum(text.count(tag) for tag in PLACEHOLDERS) != 1:
+        raise ValueError(f"a conversation needs exactly one {' or '.join(PLACEHOLDERS)} placeholder, "
+                         f"found {sum(text.count(tag) for tag in PLACEHOLDERS)}")
+    at, tag = places[0]
+    ids, train = [], []
+    for part, offset in ((text[:at], 0), (text[at + len(tag):], at + len(tag))):
+        part_ids, starts = tokenizer.encode_with_offsets(part) if part else ([], [])
+        inside = [any(lo <= offset + s < hi for lo, hi in spans) for s in starts]
+        ids += part_ids
+        train += inside
+        if offset == 0:
+            ids.append(image_id)
+            train.append(False)
+    if len(ids) > seq_length:
+        raise ValueError(f"{len(ids)} tokens do not fit seq_length {seq_length}")
+    pad = getattr(tokenizer, "pad_token_id", tokenizer.eos_token_id)
+    out = np.full(seq_length, pad, np.int32)
+    labels = np.full(seq_length, IGNORE_INDEX, np.int32)
+    out[:len(ids)] = ids
+    labels[:len(ids)] = np.where(train, ids, IGNORE_INDEX)
+    return out, labels
+
+
+def read_media_jsonl(path: str, tokenizer, image_id: int, seq_length: int, vision, template: str = "qwen2.5",
+                     skip_bad: bool = False, workers: int = 2, progress: bool = True):
+    """Image-text (or video-text) rows from a JSON-lines file, images left on disk.
+
+    Each line is ``{"image": <path>, "caption": <text>}`` or ``{"image": <path>, "messages":
+    [<chat turns>, the user's holding "<image>">]}``; video models (``vision.num_frames`` > 1)
+    read ``"video"`` (a ``.npy`` (T, H, W, 3) or a folder of frames) instead of ``"image"``.
+    Relative paths are relative to the JSONL file. Every image is checked here (``check_media``).
+
+    Returns:
+        (``TokenDataset`` with a ``MediaColumn``, the rows' records).
+
+    Raises:
+        ValueError: ``file:line: what`` for the first bad record, unless ``skip_bad`` (then
+            bad records are left out and counted in a warning).
+    """
+    import json
+    import os
+    import warnings
+    from tqdm import tqdm
+    from mindqwen.data.loader import TokenDataset
+    from mindqwen.io.textfile import iter_lines
+    key = "video" if vision.num_frames > 1 else "image"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: data not found")
+    rows, records, origins, paths, bad = [], [], [], [], []
+    for line in tqdm(list(iter_lines(path)), desc=f"checking {os.path.basename(path)}", unit="record",
+                     disable=not progress, leave=False):
+        where = f"{path}:{line.number}"
+        try:
+            if line.error:
+                raise ValueError(line.error)
+            if not line.text.strip():
+                continue
+            record = _media_record(line.text, key)
+            media = os.path.join(folder, record[key])
+            check_media(media, key == "video")
+            rows.append(encode_caption(tokenizer, record["caption"], image_id, seq_length, template)
+                        if "caption" in record else
+                        encode_messages(record["messages"], tokenizer, image_id, seq_length, template))
+        except (ValueError, json.JSONDecodeError) as e:
+            if not skip_bad:
+                raise ValueError(f"{where}: {e}") from None
+            bad.append(f"{where}: {e}")
+            continue
+        records.append(record)
+        origins.append(where)
+        paths.append(media)
+    if bad:
+        warnings.warn(f"{path}: skipped {len(bad)} bad record(s) (data.skip_bad), first: {'; '.join(bad[:3])}")
+    if not rows:
+        raise ValueError(f"{path}: no usable {key}-text records")
+    return TokenDataset(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]),
+                        MediaColumn(paths, origins, vision, workers)), records
+
+
+def _media_record(text: str, key: str) -> dict:
+    import json
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    other = "image" if key == "video" else "video"
+    if not isinstance(record, dict) or not isinstance(record.get(key), str):
+        hint = f" (this model reads {key}s: vision.num_frames decides)" if isinstance(record, dict) and other in record else ""
+        raise ValueError(f"expected a {key!r} path (string){hint}, got {text.strip()[:80]}")
+    if isinstance(record.get("caption"), str) == isinstance(record.get("messages"), list):
+        raise ValueError(f"expected either \"caption\" (string) or \"messages\" (list of turns), got {text.strip()[:80]}")
+    return record

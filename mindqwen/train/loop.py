@@ -108,8 +108,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     with compile_cache(cache):
         record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
                                desc="training", unit="step", disable=not (config.progress and main))
-        for step in bar:
-            batch = loader.batch(step)
+        for step, batch in zip(bar, loader.stream(start, config.max_steps)):
             batches = [tuple(ms.Tensor(a[i:i + mb]) for a in batch) for i in range(0, len(batch[0]), mb)]
             lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
             t = time.perf_counter()

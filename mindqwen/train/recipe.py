@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import yaml
 
 from mindqwen.config import QwenConfig
+from mindqwen.data.chat import TEMPLATES
 from mindqwen.generation import GenerationConfig, OutputFilter
 from mindqwen.lora import LoraConfig
 from mindqwen.multimodal.fusion import MultimodalLoraConfig
@@ -95,6 +96,9 @@ class DataSection:
         reset_positions: packed rows hold several documents: restart positions after every EOS
             and keep attention inside each document.
         synthetic: make the demo data instead of reading files.
+        workers: multimodal: threads reading images (videos) and threads transforming them.
+        skip_bad: multimodal: leave out (and count) records whose JSON, image or video is bad
+            instead of stopping at the first (``file:line: what``).
     """
 
     train: Optional[str] = None
@@ -104,10 +108,14 @@ class DataSection:
     seq_length: int = 256
     reset_positions: bool = False
     synthetic: Optional[SyntheticSection] = None
+    workers: int = 2
+    skip_bad: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
             raise ValueError(f"data.seq_length must be >= 2, got {self.seq_length}")
+        if self.workers < 1:
+            raise ValueError(f"data.workers must be >= 1, got {self.workers}")
 
 
 @dataclass
@@ -226,20 +234,19 @@ class ServeSection:
 
 @dataclass
 class ShapesSection:
-    """The multimodal demo's self-made image-caption data (``mindqwen.multimodal.synthetic``).
+    """The multimodal demo's self-made image-caption data (``mindqwen.multimodal.synthetic``),
+    written as PNG files and JSONL to ``<output_dir>/data`` and read back like a user's data.
 
     Attributes:
         seed: data seed.
         train_images, eval_images: sizes of the two splits (every image is a new draw).
         vocab_size: SentencePiece vocabulary (the LM's ``vocab_size`` is one more: ``<image>``).
-        template: chat template of the prompt.
     """
 
     seed: int = 0
     train_images: int = 3000
     eval_images: int = 200
     vocab_size: int = 96
-    template: str = "qwen3"
 
     def __post_init__(self) -> None:
         if self.train_images < 1 or self.eval_images < 1:
@@ -255,21 +262,27 @@ class MultimodalSection:
         cross_layers: decoder layers followed by a cross-attention block.
         policy: per group (vision, projector, text, cross_attention) frozen | lora | full.
         text_steps: steps of the LM alone on the captions before fusion (0: none).
-        vision_steps, vision_lr: steps and peak rate of the ViT's attribute pre-training (0: none).
-        shapes: the synthetic demo data (the only data source recipes wire up so far).
+        vision_steps, vision_lr: steps and peak rate of the ViT's attribute pre-training on the
+            shapes demo's colour/shape/place labels (0: none).
+        template: chat template of the prompts (qwen2.5 | qwen3).
+        shapes: the synthetic demo data; null: ``data.train`` / ``data.eval`` JSONL image-text
+            (or video-text) records with ``data.tokenizer`` (``docs/multimodal.md``).
     """
 
     vision: VisionConfig = field(default_factory=VisionConfig)
     cross_layers: List[int] = field(default_factory=lambda: [0])
     policy: MultimodalLoraConfig = field(default_factory=MultimodalLoraConfig)
-    text_steps: int = 300
-    vision_steps: int = 1500
+    text_steps: int = 0
+    vision_steps: int = 0
     vision_lr: float = 1e-3
-    shapes: ShapesSection = field(default_factory=ShapesSection)
+    template: str = "qwen2.5"
+    shapes: Optional[ShapesSection] = None
 
     def __post_init__(self) -> None:
         if self.text_steps < 0 or self.vision_steps < 0 or self.vision_lr <= 0:
             raise ValueError("multimodal: text_steps and vision_steps must be >= 0, vision_lr > 0")
+        if self.template not in TEMPLATES:
+            raise ValueError(f"multimodal.template must be one of {', '.join(TEMPLATES)}, got {self.template!r}")
 
 
 @dataclass

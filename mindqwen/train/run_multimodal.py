@@ -1,9 +1,11 @@
 """``mindqwen train`` on a multimodal recipe: the shapes demo, every stage through ``fit``, in the
 order a real project runs it:
 
-1. synthetic shapes and their captions → a SentencePiece tokenizer;
+1. the data: the recipe's JSONL image-text (video-text) files, or the shapes demo's synthetic
+   images written as PNG files and JSONL (``<output_dir>/data``) with a SentencePiece tokenizer,
+   then read back the same way; images stay on disk and are decoded per batch;
 2. ``text``: the LM learns the captions' language alone (the stand-in for a pre-trained Qwen);
-3. ``vision``: the ViT learns to see colour, shape and place through an attention-pooling
+3. ``vision`` (the demo only): the ViT learns to see colour, shape and place through an attention-pooling
    classifier that is then thrown away (the stand-in for a pre-trained CLIP/SigLIP encoder);
 4. fusion through gated cross-attention, the per-group policies, training on image-caption
    pairs with the recipe's ``trainer`` (precision, recompute, accumulation, resume, …);
@@ -26,9 +28,10 @@ reproduces the caption, and it takes one forward pass per batch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -36,12 +39,13 @@ from mindspore import Tensor, nn, ops
 
 from mindqwen.data.chat import render
 from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
-from mindqwen.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from mindqwen.data.tokenizer import load_tokenizer, train_sentencepiece
+from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import write_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.models.qwen import QwenForCausalLM
-from mindqwen.multimodal.data import PROMPT, apply_transforms, encode_caption, image_transforms
+from mindqwen.multimodal.data import PROMPT, image_token_id, read_media_jsonl
 from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
 from mindqwen.multimodal.synthetic import COLOURS, PLACES, SHAPES, caption_attributes, make_captioned_images
 from mindqwen.multimodal.vision import VisionEncoder
@@ -116,24 +120,42 @@ def caption_exact_match(model: MultimodalQwen, data: TokenDataset, batch_size: i
     return hits / len(data)
 
 
-def shapes_data(section: ShapesSection, image_size: int, seq_length: int, folder: str):
-    """The demo's tokenizer (``folder/tokenizer.model``), the ``<image>`` id and the train and
-    held-out ``TokenDataset`` s (pixel values included), plus the training images' attributes."""
-    train = make_captioned_images(section.train_images, image_size, section.seed)
-    held_out = make_captioned_images(section.eval_images, image_size, section.seed + 1)
-    prompt = render([{"role": "user", "content": PROMPT}], section.template, add_generation_prompt=True)[0]
-    tokenizer = train_sentencepiece([c for _, c in train] + [prompt] * 200, os.path.join(folder, "tokenizer.model"),
-                                    section.vocab_size)
-    image_token_id = tokenizer.vocab_size  # one id past SentencePiece's pieces
-    transforms = image_transforms(image_size)
+def write_shapes(section: ShapesSection, image_size: int, template: str, folder: str) -> Tuple[str, str, str]:
+    """The demo's data as a user would bring it: ``folder/{train,eval}/<i>.png`` and
+    ``folder/{train,eval}.jsonl`` (``{"image", "caption"}`` records), and a SentencePiece tokenizer
+    trained on the captions (``folder/tokenizer.model``). Returns the three paths."""
+    from PIL import Image
+    splits = {"train": make_captioned_images(section.train_images, image_size, section.seed),
+              "eval": make_captioned_images(section.eval_images, image_size, section.seed + 1)}
+    with atomic_folder(folder) as stage:
+        for split, records in splits.items():
+            os.makedirs(os.path.join(stage, split))
+            with open(os.path.join(stage, f"{split}.jsonl"), "w", encoding="utf-8") as f:
+                for i, (image, caption) in enumerate(records):
+                    Image.fromarray(image).save(os.path.join(stage, split, f"{i:05d}.png"))
+                    f.write(json.dumps({"image": f"{split}/{i:05d}.png", "caption": caption}) + "\n")
+        prompt = render([{"role": "user", "content": PROMPT}], template, add_generation_prompt=True)[0]
+        train_sentencepiece([c for _, c in splits["train"]] + [prompt] * 200, os.path.join(stage, "tokenizer.model"),
+                            section.vocab_size)
+    return tuple(os.path.join(folder, name) for name in ("train.jsonl", "eval.jsonl", "tokenizer.model"))
 
-    def encode(records) -> TokenDataset:
-        pairs = [encode_caption(tokenizer, c, image_token_id, seq_length, section.template) for _, c in records]
-        return TokenDataset(np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs]),
-                            np.stack([apply_transforms(img, transforms) for img, _ in records]))
 
-    attributes = np.array([caption_attributes(c) for _, c in train], np.int32)
-    return tokenizer, image_token_id, encode(train), encode(held_out), attributes
+def multimodal_data(recipe: Recipe, folder: str):
+    """The tokenizer, the ``<image>`` id, the train and held-out ``TokenDataset`` s (pixels left on
+    disk: ``MediaColumn``) and the training records: the recipe's JSONL files, or the shapes demo's
+    written into ``folder``."""
+    m, d = recipe.multimodal, recipe.data
+    train, held_out, tokenizer_file = (write_shapes(m.shapes, m.vision.image_size, m.template, folder)
+                                       if m.shapes is not None else (d.train, d.eval, d.tokenizer))
+    tokenizer = load_tokenizer(tokenizer_file)
+    image_id = image_token_id(tokenizer)
+
+    def load(path: str):
+        return read_media_jsonl(path, tokenizer, image_id, d.seq_length, m.vision, m.template, d.skip_bad,
+                                d.workers, recipe.trainer.progress)
+
+    train_set, records = load(train)
+    return tokenizer, image_id, train_set, load(held_out)[0] if held_out else None, records
 
 
 def stage(trainer: TrainerConfig, name: str, steps: int, lr: float) -> TrainerConfig:
@@ -151,26 +173,31 @@ def train_multimodal_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -
     start, out = time.time(), t.output_dir
     os.makedirs(out, exist_ok=True)
     ms.set_seed(t.seed)
-    tokenizer, image_token_id, train_set, eval_set, attributes = shapes_data(
-        m.shapes, m.vision.image_size, recipe.data.seq_length, out)
+    tokenizer, image_id, train_set, eval_set, records = multimodal_data(recipe, os.path.join(out, "data"))
     summary = {"output_dir": out}
 
-    lm = build_model(recipe.model, image_token_id + 1)
+    lm = build_model(recipe.model, image_id + 1)
+    if image_id >= lm.config.vocab_size:
+        raise ValueError(f"the image token id {image_id} is past the LM's vocab_size {lm.config.vocab_size} "
+                         "(model.config.vocab_size must hold the tokenizer's vocabulary and <image>)")
     if m.text_steps:  # the LM learns the captions' language alone (what a pre-trained Qwen brings)
         summary["text"] = fit(lm, TokenDataset(train_set.input_ids, train_set.labels),
                               stage(t, "text", m.text_steps, t.lr))
-    model = MultimodalQwen(lm, m.vision, m.cross_layers, image_token_id)
+    model = MultimodalQwen(lm, m.vision, m.cross_layers, image_id)
     if m.vision_steps:  # the ViT learns to see the attributes (what a pre-trained encoder brings)
         probe = AttributeProbe(model.vision)
+        attributes = np.array([caption_attributes(r["caption"]) for r in records], np.int32)
         summary["vision"] = fit(probe, TokenDataset(attributes, pixel_values=train_set.pixel_values),
                                 stage(t, "vision", m.vision_steps, m.vision_lr), loss_net=probe)
 
     apply_multimodal_lora(model, m.policy)  # fuse: the group policies decide what trains
-    summary["caption_exact_match_before"] = caption_exact_match(model, eval_set)
-    print(f"held-out caption exact match before multimodal training: {summary['caption_exact_match_before']:.1%}")
+    if eval_set is not None:
+        summary["caption_exact_match_before"] = caption_exact_match(model, eval_set)
+        print(f"held-out caption exact match before multimodal training: {summary['caption_exact_match_before']:.1%}")
     summary["train"] = fit(model, train_set, t, eval_set, recipe_text, loss_net=CaptionLoss(model))
-    summary["caption_exact_match_after"] = caption_exact_match(model, eval_set)
-    print(f"held-out caption exact match after multimodal training:  {summary['caption_exact_match_after']:.1%}")
+    if eval_set is not None:
+        summary["caption_exact_match_after"] = caption_exact_match(model, eval_set)
+        print(f"held-out caption exact match after multimodal training:  {summary['caption_exact_match_after']:.1%}")
     summary["trainable_by_group"] = trainable_by_group(model)
     weights = os.path.join(out, WEIGHTS)  # every parameter, LoRA unmerged: what ``trained_model`` loads
     save_file({p.name: p.asnumpy() for p in model.get_parameters()}, weights)
@@ -185,12 +212,12 @@ def train_multimodal_recipe(recipe: Recipe, recipe_text: Optional[str] = None) -
 def trained_model(recipe: Recipe) -> MultimodalQwen:
     """The fused model a finished run of ``recipe`` left in its output folder."""
     out = recipe.trainer.output_dir
-    tokenizer = SentencePieceTokenizer(os.path.join(out, "tokenizer.model"))
+    image_id = image_token_id(load_tokenizer(tokenizer_path(recipe)))
     weights = SafetensorsFile(os.path.join(out, WEIGHTS))
     with no_init_parameters():  # every weight comes from the file
-        lm = QwenForCausalLM(model_config(recipe.model, tokenizer.vocab_size + 1))
+        lm = QwenForCausalLM(model_config(recipe.model, image_id + 1))
     model = apply_multimodal_lora(MultimodalQwen(lm, recipe.multimodal.vision, recipe.multimodal.cross_layers,
-                                                 tokenizer.vocab_size), recipe.multimodal.policy)
+                                                 image_id), recipe.multimodal.policy)
     names = [p.name for p in model.get_parameters()]
     if sorted(names) != sorted(weights.keys()):
         raise CheckpointError(f"{weights.path}: its tensors are not the parameters this recipe builds "
@@ -206,4 +233,11 @@ def export_recipe_model(model: MultimodalQwen, recipe: Recipe, folder: str) -> d
     from mindqwen.export.vision import export_multimodal
     e = recipe.export
     return export_multimodal(model, folder, e.batch_sizes, e.max_seq_len, e.seq_buckets, e.dtype, e.soc_version,
-                             e.precision_mode, [os.path.join(recipe.trainer.output_dir, "tokenizer.model")])
+                             e.precision_mode, [path for path in [tokenizer_path(recipe)] if os.path.isfile(path)])
+
+
+def tokenizer_path(recipe: Recipe) -> str:
+    """The tokenizer a multimodal recipe trains with: the shapes demo's own, or ``data.tokenizer``."""
+    if recipe.multimodal.shapes is not None:
+        return os.path.join(recipe.trainer.output_dir, "data", "tokenizer.model")
+    return recipe.data.tokenizer

@@ -204,13 +204,19 @@ def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False
 
 def multimodal_conflicts(recipe: Recipe) -> List[str]:
     """Recipe keys a multimodal recipe cannot use, each with the reason."""
-    d, p = recipe.data, recipe.parallel
+    d, p, m = recipe.data, recipe.parallel, recipe.multimodal
+    demo = m.shapes is not None
     conflicts = {
         "lora": (recipe.lora is not None, "LoRA is set per group in multimodal.policy"),
         "pretrain": (recipe.pretrain is not None, "the LM's stage on the captions is multimodal.text_steps"),
-        "data.train / eval / pretrain / tokenizer / synthetic": (
-            any(getattr(d, k) is not None for k in ("train", "eval", "pretrain", "tokenizer", "synthetic")),
-            "multimodal recipes train on multimodal.shapes, which writes its own images, captions and tokenizer"),
+        "data.pretrain / synthetic": (d.pretrain is not None or d.synthetic is not None,
+                                      "multimodal data is image-text JSONL in data.train / data.eval"),
+        "data.train / eval / tokenizer": (demo and any(getattr(d, k) is not None for k in ("train", "eval", "tokenizer")),
+                                          "multimodal.shapes writes its own images, captions and tokenizer; "
+                                          "multimodal.shapes=null trains on the files"),
+        "multimodal.vision_steps": (not demo and m.vision_steps > 0,
+                                    "the ViT's pre-training stage learns the shapes demo's colour/shape/place "
+                                    "labels; on files the encoder comes trained (vision_steps=0)"),
         "data.reset_positions": (d.reset_positions, "a caption row holds one document"),
         "parallel": (p.devices > 1, "the layouts (data, tensor, pipeline) cover the LM alone, not the vision tower "
                                     "and cross-attention: multimodal recipes run on one device"),
@@ -218,23 +224,56 @@ def multimodal_conflicts(recipe: Recipe) -> List[str]:
     return [f"{key} ({why})" for key, (used, why) in conflicts.items() if used]
 
 
+def multimodal_image_id(recipe: Recipe, path: str) -> int:
+    """The ``<image>`` token id of a multimodal recipe: past the shapes demo's pieces, or the
+    tokenizer's (``mindqwen.multimodal.data.image_token_id``)."""
+    from mindqwen.data.tokenizer import load_tokenizer
+    from mindqwen.multimodal.data import image_token_id
+    m, d = recipe.multimodal, recipe.data
+    if m.shapes is not None:
+        return m.shapes.vocab_size
+    if d.train is None or d.tokenizer is None:
+        raise RecipeError(f"{path}: data.train and data.tokenizer are required (image-text JSONL and its "
+                          "tokenizer), or multimodal.shapes for the demo's data")
+    try:
+        return image_token_id(load_tokenizer(d.tokenizer))
+    except (OSError, ValueError, KeyError) as e:
+        raise RecipeError(f"{path}: data.tokenizer: {e}") from None
+
+
 def validate_multimodal(recipe: Recipe, path: str, tiny: bool = False) -> str:
-    """Check a multimodal recipe and build the fused model it trains with its group policies."""
+    """Check a multimodal recipe, read its data (unless ``tiny``) and build the fused model it
+    trains with its group policies."""
+    from mindqwen.multimodal.data import read_media_jsonl
     from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
-    m = recipe.multimodal
+    m, d = recipe.multimodal, recipe.data
     check_outputs(recipe, path)
     conflicts = multimodal_conflicts(recipe)
     if conflicts:
         raise RecipeError(f"{path}: a multimodal recipe cannot use {'; '.join(conflicts)}")
-    config = recipe_model_config(recipe, path, m.shapes.vocab_size + 1)  # + <image>
-    if not recipe.model.checkpoint and config.vocab_size <= m.shapes.vocab_size:
-        raise RecipeError(f"{path}: model.config.vocab_size={config.vocab_size} has no id for the "
-                          f"{m.shapes.vocab_size} caption pieces and <image>")
+    image_id = multimodal_image_id(recipe, path)
+    config = recipe_model_config(recipe, path, image_id + 1)  # the pieces, then <image>
+    if image_id >= config.vocab_size:
+        raise RecipeError(f"{path}: model.config.vocab_size={config.vocab_size} has no id for <image> "
+                          f"({image_id}: after the tokenizer's pieces)")
     check_numerics(recipe, config, path, None if tiny else ms.get_context("device_target"))
+    data = "the shapes demo's, written at train time" if m.shapes is not None else "not read (--tiny)"
+    if m.shapes is None and not tiny:
+        from mindqwen.data.tokenizer import load_tokenizer
+        tokenizer, counts = load_tokenizer(d.tokenizer), []
+        for key in ("train", "eval"):
+            if getattr(d, key) is not None:
+                try:
+                    rows = read_media_jsonl(getattr(d, key), tokenizer, image_id, d.seq_length, m.vision, m.template,
+                                            d.skip_bad, d.workers, recipe.trainer.progress)[0]
+                except (OSError, ValueError) as e:
+                    raise RecipeError(f"{path}: data.{key}: {e}") from None
+                counts.append(f"{key} {len(rows):,} records")
+        data = ", ".join(counts) + " (every image checked)"
     with no_init_parameters():  # the LM's shape matters here, not its weights
         lm = QwenForCausalLM(config)
     try:
-        model = MultimodalQwen(lm, m.vision, m.cross_layers, m.shapes.vocab_size)
+        model = MultimodalQwen(lm, m.vision, m.cross_layers, image_id)
     except ValueError as e:
         raise RecipeError(f"{path}: multimodal: {e}") from None
     try:
@@ -248,6 +287,7 @@ def validate_multimodal(recipe: Recipe, path: str, tiny: bool = False) -> str:
             f"  model: {config.num_hidden_layers}-layer LM (hidden {config.hidden_size}) + ViT "
             f"{m.vision.num_hidden_layers} layers at {m.vision.image_size}px, cross-attention after layers "
             f"{list(m.cross_layers)}\n"
+            f"  data: {data}\n"
             f"  trainable: {groups}\n"
             f"  training: text {m.text_steps} + vision {m.vision_steps} + fused {t.max_steps} steps, "
             f"precision {t.precision.level}, recompute {t.recompute}, accumulation {t.gradient_accumulation}")
