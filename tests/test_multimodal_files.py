@@ -74,9 +74,12 @@ def test_resume_mid_epoch_reads_nothing_before_and_yields_the_same_batches(token
     data.pixel_values.workers = 2
     resumed = list(BatchLoader(data, 2, seed=1).stream(5, 9))  # mid-epoch 2
     assert len(resumed) == 4 and len(loads) == 4 * 2  # only the rows of steps 5..8 were read
-    for a, b in zip(straight[5:], resumed):
-        for x, y in zip(a, b):
+    data.pixel_values.read_workers = 2  # reader processes
+    in_processes = list(BatchLoader(data, 2, seed=1).stream(5, 9))
+    for a, b, c in zip(straight[5:], resumed, in_processes):
+        for x, y, z in zip(a, b, c):
             np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x, z)
 
 
 def test_a_conversation_puts_the_image_token_in_place_and_trains_on_the_answer_only(tokenizer):

@@ -110,7 +110,7 @@ class BatchLoader:
         batches through ``mindspore_dataset``'s parallel pipeline."""
         if not hasattr(self.data.pixel_values, "load"):
             return self.iterate(start_step, stop_step)
-        dataset = mindspore_dataset(self, stop_step, start_step, self.data.pixel_values.workers)
+        dataset = mindspore_dataset(self, stop_step, start_step)
         return dataset.create_tuple_iterator(output_numpy=True, num_epochs=1, do_copy=False)
 
 
@@ -149,9 +149,9 @@ def mindspore_dataset(loader: BatchLoader, steps: int, start_step: int = 0, work
     """The loader's batches for steps [start_step, steps) as a MindSpore dataset
     (``input_ids``, ``labels``: int32 [batch, seq], and ``pixel_values``), fixed shapes for graph mode.
 
-    Rows whose pixels stay on disk (a ``MediaColumn``) go row by row: ``workers`` threads read and
-    decode, the column's transforms (resize, crop, normalise) are mapped in ``workers`` more, then
-    ``batch``. Resuming is ``set_init_step``: batches are computed by index, so nothing before
+    Rows whose pixels stay on disk (a ``MediaColumn``) go row by row: the column's ``read_workers``
+    read and decode, its transforms (resize, crop, normalise) are mapped in its ``workers``
+    threads, then ``batch`` (``workers`` here is for token batches). Resuming is ``set_init_step``: batches are computed by index, so nothing before
     ``start_step`` is read, and step k's batch is the same whatever the start or worker count.
     """
     import mindspore.dataset as msd
@@ -163,8 +163,9 @@ def mindspore_dataset(loader: BatchLoader, steps: int, start_step: int = 0, work
                                        num_parallel_workers=workers, python_multiprocessing=False)
     else:
         dataset = msd.GeneratorDataset(_RowSource(loader, steps), loader.data.columns, shuffle=False,
-                                       num_parallel_workers=workers, python_multiprocessing=False)
-        dataset = dataset.map(column.transforms, input_columns="pixel_values", num_parallel_workers=workers)
+                                       num_parallel_workers=column.read_workers,
+                                       python_multiprocessing=column.read_workers > 1)
+        dataset = dataset.map(column.transforms, input_columns="pixel_values", num_parallel_workers=column.workers)
         dataset = dataset.batch(loader.batch_size, drop_remainder=True)
     dataset.set_init_step(start_step)
     return dataset

@@ -96,7 +96,8 @@ class DataSection:
         reset_positions: packed rows hold several documents: restart positions after every EOS
             and keep attention inside each document.
         synthetic: make the demo data instead of reading files.
-        workers: multimodal: threads reading images (videos) and threads transforming them.
+        workers: multimodal: threads transforming images (resize, crop, normalise).
+        read_workers: multimodal: readers of the image (video) files: 1 thread, or processes.
         skip_bad: multimodal: leave out (and count) records whose JSON, image or video is bad
             instead of stopping at the first (``file:line: what``).
     """
@@ -109,13 +110,15 @@ class DataSection:
     reset_positions: bool = False
     synthetic: Optional[SyntheticSection] = None
     workers: int = 2
+    read_workers: int = 1
     skip_bad: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_length < 2:
             raise ValueError(f"data.seq_length must be >= 2, got {self.seq_length}")
-        if self.workers < 1:
-            raise ValueError(f"data.workers must be >= 1, got {self.workers}")
+        if self.workers < 1 or self.read_workers < 1:
+            raise ValueError(f"data.workers and data.read_workers must be >= 1, got {self.workers} and "
+                             f"{self.read_workers}")
 
 
 @dataclass

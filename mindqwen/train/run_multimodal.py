@@ -152,7 +152,7 @@ def multimodal_data(recipe: Recipe, folder: str):
 
     def load(path: str):
         return read_media_jsonl(path, tokenizer, image_id, d.seq_length, m.vision, m.template, d.skip_bad,
-                                d.workers, recipe.trainer.progress)
+                                d.workers, d.read_workers, recipe.trainer.progress)
 
     train_set, records = load(train)
     return tokenizer, image_id, train_set, load(held_out)[0] if held_out else None, records

@@ -265,7 +265,7 @@ def validate_multimodal(recipe: Recipe, path: str, tiny: bool = False) -> str:
             if getattr(d, key) is not None:
                 try:
                     rows = read_media_jsonl(getattr(d, key), tokenizer, image_id, d.seq_length, m.vision, m.template,
-                                            d.skip_bad, d.workers, recipe.trainer.progress)[0]
+                                            d.skip_bad, d.workers, d.read_workers, recipe.trainer.progress)[0]
                 except (OSError, ValueError) as e:
                     raise RecipeError(f"{path}: data.{key}: {e}") from None
                 counts.append(f"{key} {len(rows):,} records")
