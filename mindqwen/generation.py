@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import Tensor, ops
 from tqdm import tqdm
 
-from mindqwen.models.kv_cache import CachedStep, CacheLayout, model_dtype
+from mindqwen.models.kv_cache import CachedStep, CacheLayout, ImageCachedStep, ImageKeysValues, model_dtype
 
 CACHE_BLOCK = 64
 FILTER_ACTIONS = ("drop", "mask", "stop")
@@ -185,8 +185,11 @@ class RowResult:
 class _Row:
     """Host-side state of one row while generating; ``key`` is the caller's name for it."""
 
-    def __init__(self, prompt: Sequence[int], config: GenerationConfig, key, tokenizer, output_filter):
+    def __init__(self, prompt: Sequence[int], config: GenerationConfig, key, tokenizer, output_filter,
+                 image: Optional[np.ndarray] = None):
         self.prompt, self.config, self.key = [int(t) for t in prompt], config, key
+        self.image = image  # a multimodal model's pixel values for this row, or None
+        self.sees_image = False  # the image token has been read: later tokens attend to the image
         self.tokenizer, self.filter = tokenizer, output_filter
         self.rng = np.random.default_rng(config.seed)
         self.seen = list(self.prompt)
@@ -264,6 +267,11 @@ class SlotBatch:
     finish in, so the decode graph compiles once per (R, C); with ``shrink`` both shrink when rows
     leave (a long-lived batch; a one-off batch keeps its shape rather than compile more graphs).
 
+    With a multimodal model each row may carry an image: joining rows' images become the
+    cross-attention keys and values once, in prefill (``ImageKeysValues``), and are held beside
+    the KV cache (C, R, heads, Nv, D), moving with their rows; tokens from the image token on
+    attend to them.
+
     Args:
         generator: the ``Generator`` whose graphs and tokenizer the rows use.
         max_rows: rows at most.
@@ -275,6 +283,7 @@ class SlotBatch:
         self.max_positions = generator.model.config.max_position_embeddings
         self.rows: List[Optional[_Row]] = []  # one per cache row; None = free
         self.k = self.v = None  # (L, R, KV, C, D) in the model's dtype
+        self.images = ()  # multimodal: cross-attention keys and values (C, R, heads, Nv, D)
         self.mask = np.zeros((0, 0), np.int32)  # (R, C): 1 = a real token in that slot
         self.done: List[_Row] = []
 
@@ -287,13 +296,22 @@ class SlotBatch:
         return self.max_rows - len(self.active)
 
     def join(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig], keys: Sequence,
-             on_token: Optional[TokenCallback] = None) -> None:
+             on_token: Optional[TokenCallback] = None, images: Optional[Sequence] = None) -> None:
         """Prefill ``prompts`` into free rows and choose their first tokens (``on_token(key, …)``).
 
+        Args:
+            images: a multimodal model's pixel values per prompt ((3, S, S) or (T, 3, S, S),
+                transformed as in training), None for a prompt without an image.
+
         Raises ValueError, before anything changes, if a prompt is empty or does not fit the
-        model's positions with its ``max_new_tokens``, or if there is no room.
+        model's positions with its ``max_new_tokens``, if there is no room, or if an image and
+        the prompt's image token do not come together.
         """
-        rows = [_Row(p, c, key, self.gen.tokenizer, self.gen.filter) for p, c, key in zip(prompts, configs, keys)]
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} images for {len(prompts)} prompts")
+        rows = [_Row(p, c, key, self.gen.tokenizer, self.gen.filter, self.gen.check_image(p, image, key))
+                for p, c, key, image in zip(prompts, configs, keys, images)]
         for row in rows:
             n, m = len(row.prompt), row.config.max_new_tokens
             if n == 0:
@@ -310,8 +328,8 @@ class SlotBatch:
         s = max(len(r.prompt) for r in rows)
         length = cache_length(max([s + r.writes_left() for r in rows] +
                                   [r.slot + r.writes_left() for r in self.active]))
-        logits, k, v, mask = self._prefill(rows, s, length)  # first: a failure changes nothing
-        self._relayout(self.active + rows, length, (k, v, mask))
+        logits, state, mask = self._prefill(rows, s, length)  # first: a failure changes nothing
+        self._relayout(self.active + rows, length, (state, mask))
         logits = logits.asnumpy()
         for i, row in enumerate(rows):
             row.cached, row.slot = len(row.prompt), s
@@ -327,12 +345,16 @@ class SlotBatch:
         if not self.active:
             return
         ids, positions, slots = (np.zeros((len(self.rows), 1), np.int32) for _ in range(3))
+        sees = np.zeros((len(self.rows), 1, 1), np.float32)
         for i, row in enumerate(self.rows):
             if row is not None:  # free rows write slot 0 of their (masked-out) copy
                 ids[i, 0], positions[i, 0], slots[i, 0] = row.tokens[-1], row.cached, row.slot
                 self.mask[i, row.slot] = 1
+                row.sees_image |= row.tokens[-1] == self.gen.image_token_id
+                sees[i] = row.sees_image
+        images = (*self.images, Tensor(sees)) if self.images else ()
         logits, self.k, self.v = self.gen.decode(Tensor(ids), Tensor(positions), Tensor(self.mask),
-                                                 Tensor(slots), self.k, self.v)
+                                                 Tensor(slots), self.k, self.v, *images)
         logits = logits.asnumpy()
         for i, row in enumerate(self.rows):
             if row is not None:
@@ -355,18 +377,28 @@ class SlotBatch:
             on_token(row.key, tok, delta)
 
     def _prefill(self, rows: List[_Row], s: int, length: int):
-        """Prefill ``rows`` left-padded into slots [0, s) of a fresh (L, k, KV, length, D) cache."""
+        """Prefill ``rows`` left-padded into slots [0, s) of a fresh (L, k, KV, length, D) cache;
+        returns the last logits, the rows' state ((k, v) and, multimodal, the image keys and
+        values) and the slot mask."""
         ids = np.zeros((len(rows), s), np.int32)
         positions = np.zeros_like(ids)
         mask = np.zeros((len(rows), length), np.int32)
+        sees = np.zeros((len(rows), s, 1), np.float32)  # multimodal: from the image token on
         for i, row in enumerate(rows):
             n = len(row.prompt)
             ids[i, s - n:], positions[i, s - n:], mask[i, s - n:s] = row.prompt, np.arange(n), 1
+            if self.gen.image_token_id is not None:
+                sees[i, s - n:, 0] = np.cumsum(np.asarray(row.prompt) == self.gen.image_token_id) > 0
+                row.sees_image = bool(sees[i, -1, 0])
         layout = CacheLayout.of(self.gen.model.config, len(rows), length)
         slots = np.tile(np.arange(s, dtype=np.int32), (len(rows), 1))
+        images = ()
+        if self.gen.image_step is not None:
+            images = tuple(self.gen.image_step(Tensor(np.stack([self.gen.pixels(r.image) for r in rows]))))
         logits, k, v = self.gen.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
-                                        layout.zeros(self.gen.dtype), layout.zeros(self.gen.dtype))
-        return logits, k, v, mask
+                                        layout.zeros(self.gen.dtype), layout.zeros(self.gen.dtype),
+                                        *(images + (Tensor(sees),) if images else ()))
+        return logits, (k, v) + images, mask
 
     def _leave(self) -> None:
         """Move ended rows to ``done``; shrink the cache if the rows left need less."""
@@ -376,7 +408,7 @@ class SlotBatch:
                 self.rows[i], self.mask[i] = None, 0
         live = self.active
         if not live:
-            self.rows, self.k, self.v, self.mask = [], None, None, np.zeros((0, 0), np.int32)
+            self.rows, self.k, self.v, self.mask, self.images = [], None, None, np.zeros((0, 0), np.int32), ()
             return
         if not self.shrink:
             return
@@ -386,22 +418,21 @@ class SlotBatch:
 
     def _relayout(self, live: List[_Row], length: int, joining=None) -> None:
         """Rebuild the cache with the rows ``live`` (those present, then the ``joining``
-        (k, v, mask) rows) first, ``length`` slots each."""
+        ((k, v, images…), mask) rows) first, ``length`` slots each."""
         rows = _rows_bucket(len(live), self.max_rows)
         present = [i for i, r in enumerate(self.rows) if r is not None]
-        k, v, mask = [], [], []
+        states, mask = [], []  # per source: (k, v, image keys, image values), rows on axis 1
         if present:
-            k.append(_fit_slots(self.k, length, 3))
-            v.append(_fit_slots(self.v, length, 3))
+            states.append((_fit_slots(self.k, length, 3), _fit_slots(self.v, length, 3)) + self.images)
             mask.append(_fit_slots(self.mask, length, 1))
         if joining is not None:
-            k.append(joining[0]), v.append(joining[1]), mask.append(joining[2])
+            states.append(joining[0]), mask.append(joining[1])
         offset = len(self.rows) if present else 0
         take = present + list(range(offset, offset + len(live) - len(present)))
         take += [take[0]] * (rows - len(take))  # free rows: any data, masked out
         index = Tensor(np.array(take, np.int32))
-        self.k = ops.gather(ops.cat(k, 1) if len(k) > 1 else k[0], index, 1)
-        self.v = ops.gather(ops.cat(v, 1) if len(v) > 1 else v[0], index, 1)
+        state = [ops.gather(ops.cat(parts, 1) if len(parts) > 1 else parts[0], index, 1) for parts in zip(*states)]
+        self.k, self.v, self.images = state[0], state[1], tuple(state[2:])
         self.mask = np.concatenate(mask)[take]
         self.mask[len(live):] = 0
         self.rows = live + [None] * (rows - len(live))
@@ -433,7 +464,8 @@ class Generator:
     """Batched KV-cache generation over one model, keeping its compiled graphs.
 
     Args:
-        model: a ``QwenForCausalLM`` (put in inference mode).
+        model: a ``QwenForCausalLM``, or a ``MultimodalQwen`` (prompts may then come with
+            images); put in inference mode.
         tokenizer: optional; needed for text, ``stop_strings`` and ``output_filter``.
         output_filter: optional block-list applied to generated text.
     """
@@ -443,17 +475,46 @@ class Generator:
         self.model, self.tokenizer, self.filter = model, tokenizer, output_filter
         self.dtype = model_dtype(model)
         self.stamp = model.create_time
-        self.prefill = CachedStep(model)
-        self.decode = CachedStep(model)
-        self.prefill.set_inputs(*_dynamic_prefill_inputs(self.dtype))
+        multimodal = hasattr(model, "cross_kv")
+        step = ImageCachedStep if multimodal else CachedStep
+        self.prefill, self.decode = step(model), step(model)
+        self.prefill.set_inputs(*_dynamic_prefill_inputs(self.dtype, multimodal))
+        self.image_step = ImageKeysValues(model) if multimodal else None
+        self.image_token_id = model.image_token_id if multimodal else None
+        if multimodal:
+            v = model.vision_config
+            self.pixel_shape = ((v.num_frames,) if v.num_frames > 1 else ()) + (v.num_channels, v.image_size,
+                                                                               v.image_size)
+
+    def check_image(self, prompt: Sequence[int], image, key) -> Optional[np.ndarray]:
+        """A row's image as float32 pixels, checked against the model and its prompt."""
+        if image is None:
+            if self.image_token_id is not None and self.image_token_id in prompt:
+                raise ValueError(f"prompt {key!r} holds the image token {self.image_token_id} but no image was given")
+            return None
+        if self.image_step is None:
+            raise ValueError(f"prompt {key!r} comes with an image, but the model has no vision tower")
+        image = np.asarray(image.asnumpy() if isinstance(image, Tensor) else image, np.float32)
+        if image.shape != self.pixel_shape:
+            raise ValueError(f"prompt {key!r}: pixel values of shape {image.shape}, the model takes "
+                             f"{self.pixel_shape} (mindqwen.multimodal.data.image_transforms)")
+        if self.image_token_id not in prompt:
+            raise ValueError(f"prompt {key!r} comes with an image but holds no image token "
+                             f"({self.image_token_id}): nothing would attend to it")
+        return image
+
+    def pixels(self, image: Optional[np.ndarray]) -> np.ndarray:
+        """A row's pixels for the image step: zeros for a row without an image (masked out)."""
+        return np.zeros(self.pixel_shape, np.float32) if image is None else image
 
     def run(self, prompts: Sequence[Sequence[int]], configs: Union[GenerationConfig, Sequence[GenerationConfig]],
             on_token: Optional[TokenCallback] = None, progress: bool = False,
-            cancelled: Optional[Callable[[int], bool]] = None) -> List[RowResult]:
+            cancelled: Optional[Callable[[int], bool]] = None, images: Optional[Sequence] = None) -> List[RowResult]:
         """Generate for each prompt (lists of ids, any lengths) in one ``SlotBatch``.
 
         ``on_token(row, token, text)`` streams; ``cancelled(row)`` is asked before every decode
-        step, and a row it answers True for ends there (finish reason ``cancelled``).
+        step, and a row it answers True for ends there (finish reason ``cancelled``). ``images``:
+        a multimodal model's pixel values per prompt (see ``SlotBatch.join``).
         """
         if not len(prompts):
             raise ValueError("no prompts to generate for")
@@ -464,7 +525,7 @@ class Generator:
         batch = SlotBatch(self, len(prompts), shrink=False)  # one decode graph for the whole run
         with self.graph_mode(), tqdm(total=max(c.max_new_tokens for c in configs), desc="generating",
                                      unit="tok", disable=not progress) as bar:
-            batch.join(prompts, configs, range(len(prompts)), on_token)
+            batch.join(prompts, configs, range(len(prompts)), on_token, images)
             bar.update()
             while batch.active:
                 batch.step(on_token, cancelled)
@@ -486,12 +547,17 @@ class Generator:
             ms.set_context(mode=mode)
 
 
-def _dynamic_prefill_inputs(dtype) -> tuple:
-    """Input signature of the prefill graph: any batch, sequence and cache length."""
+def _dynamic_prefill_inputs(dtype, multimodal: bool = False) -> tuple:
+    """Input signature of the prefill graph: any batch, sequence and cache length (and, for a
+    multimodal model, its image keys/values and vision mask)."""
     i32 = ms.int32
-    return (Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
-            Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
-            Tensor(shape=[None] * 5, dtype=dtype), Tensor(shape=[None] * 5, dtype=dtype))
+    inputs = (Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
+              Tensor(shape=[None, None], dtype=i32), Tensor(shape=[None, None], dtype=i32),
+              Tensor(shape=[None] * 5, dtype=dtype), Tensor(shape=[None] * 5, dtype=dtype))
+    if not multimodal:
+        return inputs
+    return inputs + (Tensor(shape=[None] * 5, dtype=dtype), Tensor(shape=[None] * 5, dtype=dtype),
+                     Tensor(shape=[None, None, 1], dtype=ms.float32))
 
 
 def _round_up(n: int, block: int) -> int:
@@ -500,9 +566,11 @@ def _round_up(n: int, block: int) -> int:
 
 def generate(model, input_ids, max_new_tokens: int = 32, do_sample: bool = False,
              attention_mask=None, tokenizer=None, output_filter: Optional[OutputFilter] = None,
-             on_token: Optional[TokenCallback] = None, progress: bool = False, **kwargs) -> np.ndarray:
+             on_token: Optional[TokenCallback] = None, progress: bool = False, pixel_values=None,
+             **kwargs) -> np.ndarray:
     """Continue ``input_ids`` [B, S] (a left-padded batch with ``attention_mask``, or a list of
-    prompts of any lengths); returns prompt + new tokens [B, S+N] int32, like HF.
+    prompts of any lengths); returns prompt + new tokens [B, S+N] int32, like HF. A
+    ``MultimodalQwen`` takes ``pixel_values`` (B, 3, S, S) or (B, T, 3, S, S), one image per row.
 
     Keyword arguments are ``GenerationConfig`` fields (temperature, top_k, top_p,
     repetition_penalty, eos_token_id, stop_strings, pad_token_id, seed). Rows that end early
@@ -516,7 +584,8 @@ def generate(model, input_ids, max_new_tokens: int = 32, do_sample: bool = False
     if gen is None or gen.stamp != model.create_time or (gen.tokenizer, gen.filter) != (tokenizer, output_filter):
         gen = Generator(model, tokenizer, output_filter)
         object.__setattr__(model, "_mindqwen_generator", gen)
-    results = gen.run(prompts, config, on_token, progress)
+    results = gen.run(prompts, config, on_token, progress, images=None if pixel_values is None else list(
+        pixel_values.asnumpy() if isinstance(pixel_values, Tensor) else pixel_values))
     n = max(len(r.tokens) for r in results)
     new = np.full((len(results), n), config.pad_id, np.int32)
     for i, r in enumerate(results):

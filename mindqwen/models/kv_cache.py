@@ -71,6 +71,34 @@ class CachedStep(nn.Cell):
                                  k_cache, v_cache)
 
 
+class ImageCachedStep(nn.Cell):
+    """``CachedStep`` of a multimodal model (``MultimodalQwen.cached``): the cross-attention
+    blocks' image keys and values (C, B, heads, Nv, D) and ``vision_mask`` (B, T, 1) float32
+    follow the six cache inputs; the outputs are the same three."""
+
+    def __init__(self, model: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache,
+                  cross_k, cross_v, vision_mask):
+        return self.model.cached(input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache,
+                                 cross_k, cross_v, vision_mask)
+
+
+class ImageKeysValues(nn.Cell):
+    """pixel_values → the cross-attention keys and values (``MultimodalQwen.cross_kv``): the
+    graph a multimodal prefill runs first, once per image."""
+
+    def __init__(self, model: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.model = model
+
+    def construct(self, pixel_values):
+        return self.model.cross_kv(pixel_values)
+
+
 def model_dtype(model: nn.Cell):
-    """The dtype the cache is kept in: the residual stream's."""
+    """The dtype the cache is kept in: the residual stream's (a multimodal model's LM's)."""
+    model = getattr(model, "lm", model)
     return model.model.hidden_dtype or model.model.embed_tokens.weight.dtype

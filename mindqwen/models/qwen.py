@@ -511,8 +511,22 @@ class QwenModel(nn.Cell):
         k_cache/v_cache (L, B, KV, MAX, D).
         Returns the normed hidden states (B, T, H) and the updated caches.
         """
+        x, cos, sin, masked, window_masked = self.prepare_cached(input_ids, position_ids, attention_mask,
+                                                                 cache_position, k_cache.shape[3])
+        keys, values = (), ()
+        # One Unstack, not L StridedSlices: CPU StridedSlice on the 5-D cache costs ~1 ms each.
+        k_layers, v_layers = ops.unstack(k_cache, 0), ops.unstack(v_cache, 0)
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.cached(x, cos, sin, window_masked if layer.self_attn.sliding else masked,
+                                   k_layers[i], v_layers[i], cache_position)
+            keys, values = keys + (k,), values + (v,)
+        return self.norm(x), ops.stack(keys), ops.stack(values)
+
+    def prepare_cached(self, input_ids, position_ids, attention_mask, cache_position, max_len: int):
+        """``prepare`` for a cached step: embeddings (B, T, H), rotary cos/sin and the masks
+        (B, 1, T, MAX) of the full and the sliding-window layers over the cache slots."""
         b, t = input_ids.shape
-        slots = ops.arange(0, k_cache.shape[3], dtype=ms.int32)  # (MAX,)
+        slots = ops.arange(0, max_len, dtype=ms.int32)  # (MAX,)
         query, slots = cache_position.reshape(b, 1, t, 1), slots.reshape(1, 1, 1, -1)
         masked = ops.logical_or(slots > query,  # (B, 1, T, MAX): future slots
                                 (attention_mask == 0).reshape(b, 1, 1, -1))
@@ -525,14 +539,7 @@ class QwenModel(nn.Cell):
         x = self.embed_tokens(input_ids)
         if self.hidden_dtype is not None:
             x = x.astype(self.hidden_dtype)
-        keys, values = (), ()
-        # One Unstack, not L StridedSlices: CPU StridedSlice on the 5-D cache costs ~1 ms each.
-        k_layers, v_layers = ops.unstack(k_cache, 0), ops.unstack(v_cache, 0)
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.cached(x, cos, sin, window_masked if layer.self_attn.sliding else masked,
-                                   k_layers[i], v_layers[i], cache_position)
-            keys, values = keys + (k,), values + (v,)
-        return self.norm(x), ops.stack(keys), ops.stack(values)
+        return x, cos, sin, masked, window_masked
 
 
 def _label_log_probs(logits, labels):
@@ -646,8 +653,12 @@ class QwenForCausalLM(nn.Cell):
         of the T positions, and the updated caches (L, B, KV, MAX, D)."""
         h, k_cache, v_cache = self.model.cached(input_ids, position_ids, attention_mask,
                                                 cache_position, k_cache, v_cache)
+        return self.last_logits(h), k_cache, v_cache
+
+    def last_logits(self, h):
+        """h (B, T, H) → the logits (B, V) fp32 at the last position."""
         logits = self.logits(h[:, -1:])  # (B, 1, V); a reshape, not a slice, drops the axis
-        return logits.reshape(logits.shape[0], -1).astype(ms.float32), k_cache, v_cache
+        return logits.reshape(logits.shape[0], -1).astype(ms.float32)
 
     def logits(self, h):
         """h (B, S, H) → logits (B, S, V)."""

@@ -44,11 +44,21 @@ class GatedCrossAttention(nn.Cell):
 
     def construct(self, x, vision, vision_mask):
         """x (B, S, H), vision (B, Nv, H), vision_mask (B, S, 1) → x + tanh(gate)·attention."""
-        b, s, h = x.shape
-        n = vision.shape[1]
-        q = self.q_norm(self.q_proj(self.norm(x)).reshape(b, s, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k, v = self.keys_values(vision)
+        return self.attend(x, k, v, vision_mask)
+
+    def keys_values(self, vision):
+        """vision (B, Nv, H) → keys (normed) and values (B, heads, Nv, D): what generation
+        computes once per image and keeps beside the KV cache."""
+        b, n, _ = vision.shape
         k = self.k_norm(self.k_proj(vision).reshape(b, n, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
         v = self.v_proj(vision).reshape(b, n, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+        return k, v
+
+    def attend(self, x, k, v, vision_mask):
+        """x (B, S, H), k/v (B, heads, Nv, D), vision_mask (B, S, 1) → x + tanh(gate)·attention."""
+        b, s, h = x.shape
+        q = self.q_norm(self.q_proj(self.norm(x)).reshape(b, s, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
         probs = ops.softmax(ops.matmul(q, k.transpose(0, 1, 3, 2)).astype(ms.float32) * self.scale, -1)
         out = ops.matmul(probs.astype(v.dtype), v).transpose(0, 2, 1, 3).reshape(b, s, h)
         return x + ops.tanh(self.gate).astype(x.dtype) * self.o_proj(out) * vision_mask.astype(x.dtype)

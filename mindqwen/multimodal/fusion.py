@@ -119,6 +119,36 @@ class MultimodalQwen(nn.Cell):
             return self.lm.logits(h)
         return self.lm.loss(h, labels)
 
+    def cross_kv(self, pixel_values):
+        """pixel_values (B, 3, H, W) or (B, T, 3, H, W) → every cross-attention block's image keys
+        and values, stacked (C, B, heads, Nv, D): computed once per image when generating."""
+        vision = self.projector(self.vision(pixel_values))
+        keys, values = (), ()
+        for block in self.cross_attn:
+            k, v = block.keys_values(vision)
+            keys, values = keys + (k,), values + (v,)
+        return ops.stack(keys), ops.stack(values)
+
+    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache,
+               cross_k, cross_v, vision_mask):
+        """The LM's KV-cache step (``QwenForCausalLM.cached``, same inputs and outputs) with each
+        cross-attention block reading its cached image keys/values (``cross_kv``);
+        vision_mask (B, T, 1): 1 where a token sees the image (from the image token on)."""
+        lm = self.lm.model
+        x, cos, sin, masked, window_masked = lm.prepare_cached(input_ids, position_ids, attention_mask,
+                                                               cache_position, k_cache.shape[3])
+        k_layers, v_layers = ops.unstack(k_cache, 0), ops.unstack(v_cache, 0)
+        image_keys, image_values = ops.unstack(cross_k, 0), ops.unstack(cross_v, 0)
+        keys, values = (), ()
+        for i, layer in enumerate(lm.layers):
+            x, k, v = layer.cached(x, cos, sin, window_masked if layer.self_attn.sliding else masked,
+                                   k_layers[i], v_layers[i], cache_position)
+            keys, values = keys + (k,), values + (v,)
+            if self.cross_after[i] >= 0:
+                j = self.cross_after[i]
+                x = self.cross_attn[j].attend(x, image_keys[j], image_values[j], vision_mask)
+        return self.lm.last_logits(lm.norm(x)), ops.stack(keys), ops.stack(values)
+
     def groups(self) -> Dict[str, nn.Cell]:
         return {"vision": self.vision, "projector": self.projector, "text": self.lm,
                 "cross_attention": self.cross_attn}

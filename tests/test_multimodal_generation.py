@@ -1,0 +1,120 @@
+"""Image-conditioned generation: the image's cross-attention keys/values computed once in prefill
+and held beside the KV cache, against full recomputation of the fused model."""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from mindqwen import generate
+from mindqwen.generation import GenerationConfig, Generator, SlotBatch
+from mindqwen.models.kv_cache import CacheLayout, ImageCachedStep, ImageKeysValues
+from test_multimodal import IMAGE_TOKEN, _fused
+
+PROMPTS = [[20, 31, IMAGE_TOKEN, 40, 41, 42, 43], [55, IMAGE_TOKEN, 60]]  # lengths 7 and 3: left-padded
+
+
+def _model(frames=1):
+    """The fused tiny model with open gates (at zero the images would change nothing)."""
+    lm, model = _fused(frames)
+    for block in model.cross_attn:
+        block.gate.set_data(Tensor(np.array([0.8], np.float32)))
+    model.set_train(False)
+    return lm, model
+
+
+def _images(n, frames=1, seed=0):
+    shape = (n, 3, 16, 16) if frames == 1 else (n, frames, 3, 16, 16)
+    return np.random.default_rng(seed).normal(0, 1, shape).astype(np.float32)
+
+
+def _full_logits(model, ids, image):
+    """The fused model's logits at every position of the whole sequence (S, V), no cache."""
+    return model(Tensor(np.array([ids], np.int32)), Tensor(image[None])).asnumpy()[0]
+
+
+def _assert_greedy(model, prompt, image, tokens):
+    """Each generated token is the argmax of full recomputation given everything before it
+    (one forward over prompt + tokens: position j predicts token j + 1)."""
+    logits = _full_logits(model, list(prompt) + list(tokens[:-1]), image)
+    assert logits[len(prompt) - 1:].argmax(-1).tolist() == list(tokens)
+
+
+@pytest.mark.parametrize("frames", [1, 4])
+def test_cached_steps_equal_full_recomputation_on_a_left_padded_batch(frames):
+    """Prefill (both prompts left-padded to 7) and four decode steps in graph mode, the image
+    keys/values computed once: every step's logits equal the full forward of each unpadded row."""
+    _, model = _model(frames)
+    images = _images(2, frames)
+    assert np.abs(_full_logits(model, PROMPTS[1], images[0]) - _full_logits(model, PROMPTS[1], images[1]))[-1].max() > 1e-2
+    follow = [[70, 71, 72, 73], [80, 81, 82, 83]]  # the tokens fed back, one per step
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        step, kv = ImageCachedStep(model), ImageKeysValues(model)
+        image_k, image_v = kv(Tensor(images))
+        s, length = 7, 16
+        ids, positions = np.zeros((2, s), np.int32), np.zeros((2, s), np.int32)
+        mask, sees = np.zeros((2, length), np.int32), np.zeros((2, s, 1), np.float32)
+        for i, p in enumerate(PROMPTS):
+            ids[i, s - len(p):], positions[i, s - len(p):], mask[i, s - len(p):s] = p, np.arange(len(p)), 1
+            sees[i, s - len(p):, 0] = np.cumsum(np.array(p) == IMAGE_TOKEN) > 0
+        layout = CacheLayout.of(model.config, 2, length)
+        logits, k, v = step(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(np.tile(np.arange(s, dtype=np.int32), (2, 1))),
+                            layout.zeros(), layout.zeros(), image_k, image_v, Tensor(sees))
+        got = [logits.asnumpy()]
+        for t in range(4):
+            mask[:, s + t] = 1
+            token = np.array([[follow[0][t]], [follow[1][t]]], np.int32)
+            pos = np.array([[len(p) + t] for p in PROMPTS], np.int32)
+            logits, k, v = step(Tensor(token), Tensor(pos), Tensor(mask), Tensor(np.full((2, 1), s + t, np.int32)),
+                                k, v, image_k, image_v, Tensor(np.ones((2, 1, 1), np.float32)))
+            got.append(logits.asnumpy())
+    finally:
+        ms.set_context(mode=mode)
+    for i, p in enumerate(PROMPTS):
+        full = _full_logits(model, p + follow[i], images[i])
+        for t in range(5):
+            want = full[len(p) - 1 + t]
+            assert np.abs(got[t][i] - want).max() <= 5e-5, (i, t, np.abs(got[t][i] - want).max())
+
+
+def test_generator_rows_with_images_without_and_joining_later_equal_full_recomputation():
+    """Greedy generation through ``SlotBatch``: two rows with their own images, a text-only row
+    (it generates what the LM alone generates), and a row that joins the running batch later
+    (its image keys/values move into the cache's row layout); each row's tokens equal the
+    greedy chain of full recomputation."""
+    lm, model = _model()
+    images = _images(3, seed=1)
+    config = GenerationConfig(max_new_tokens=5)
+    gen = Generator(model)
+    batch = SlotBatch(gen, 4)
+    tokens = {}
+    with gen.graph_mode():
+        batch.join(PROMPTS + [[90, 91, 92]], [config] * 3, ["a", "b", "text"], images=[images[0], images[1], None])
+        batch.step()
+        batch.join([[33, IMAGE_TOKEN, 34, 35]], [config], ["late"], images=[images[2]])
+        while batch.active:
+            batch.step()
+    for row in batch.pop_finished():
+        tokens[row.key] = row.tokens
+    for key, prompt, image in [("a", PROMPTS[0], images[0]), ("b", PROMPTS[1], images[1]),
+                               ("late", [33, IMAGE_TOKEN, 34, 35], images[2])]:
+        _assert_greedy(model, prompt, image, tokens[key])
+    assert tokens["text"] == generate(lm, [[90, 91, 92]], max_new_tokens=5)[0, 3:].tolist()
+
+
+def test_top_level_generate_takes_pixel_values_and_bad_images_are_refused():
+    _, model = _model()
+    images = _images(2, seed=2)
+    out = generate(model, PROMPTS, max_new_tokens=3, pixel_values=images)
+    for i, p in enumerate(PROMPTS):
+        _assert_greedy(model, p, images[i], out[i, -3:].tolist())
+    gen = Generator(model)
+    with pytest.raises(ValueError, match="holds the image token 7 but no image was given"):
+        gen.run([PROMPTS[0]], GenerationConfig(max_new_tokens=1))
+    with pytest.raises(ValueError, match="comes with an image but holds no image token"):
+        gen.run([[20, 21]], GenerationConfig(max_new_tokens=1), images=[images[0]])
+    with pytest.raises(ValueError, match=r"pixel values of shape \(3, 8, 8\), the model takes \(3, 16, 16\)"):
+        gen.run([PROMPTS[0]], GenerationConfig(max_new_tokens=1), images=[images[0][:, :8, :8]])
+    with pytest.raises(ValueError, match="has no vision tower"):
+        Generator(model.lm).run([[20, 21]], GenerationConfig(max_new_tokens=1), images=[images[0]])
