@@ -76,10 +76,16 @@ def cmd_eval(argv: List[str]) -> None:
 
 
 def cmd_generate(argv: List[str]) -> None:
-    """Generate from an HF folder with the KV cache (optionally with a LoRA adapter), streaming."""
+    """Generate from an HF folder with the KV cache (optionally with a LoRA adapter), or from a
+    finished multimodal recipe run about an image or video, streaming."""
     p = _parser(cmd_generate, "mindqwen generate tests/fixtures/qwen2_tiny/base --input-ids 483,320,350 "
-                              "--max-new-tokens 16")
-    p.add_argument("model", help="HF folder: config.json + model.safetensors")
+                              "--max-new-tokens 16\n"
+                              "  mindqwen generate multimodal/shapes --image outputs/multimodal/data/eval/00000.png")
+    p.add_argument("model", help="HF folder: config.json + model.safetensors; or a multimodal recipe (file or "
+                                 "bundled name) whose run has finished, with --image")
+    p.add_argument("overrides", nargs="*", help="recipe key=value overrides (with a recipe)")
+    p.add_argument("--image", help="multimodal: the image (a video model: .npy clip or frames folder); the "
+                                   "prompt (default 'Describe the image.') follows it in a user turn")
     p.add_argument("--adapter", help="PEFT adapter folder to load on top")
     p.add_argument("--input-ids", help="comma-separated prompt token ids")
     p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
@@ -92,11 +98,20 @@ def cmd_generate(argv: List[str]) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; needs --tokenizer)")
     p.add_argument("--seed", type=int, help="sampling seed")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     from mindqwen.data.tokenizer import load_tokenizer
     from mindqwen.generation import GenerationConfig, Generator
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-    if args.prompt is not None:
+    if args.image is not None or args.model.endswith((".yaml", ".yml")):
+        model, tokenizer, prompt, image = _multimodal_prompt(args)
+        images = [image]
+    elif args.overrides:
+        raise ValueError(f"key=value overrides go with a recipe, not an HF folder: {' '.join(args.overrides)}")
+    else:
+        model, images = _load_model(args.model, args.adapter), None
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    if images is not None:
+        pass  # the prompt is the recipe's chat turn around the image
+    elif args.prompt is not None:
         if tokenizer is None:
             raise ValueError("--prompt needs --tokenizer (or give --input-ids)")
         prompt = tokenizer.encode(args.prompt)
@@ -111,14 +126,35 @@ def cmd_generate(argv: List[str]) -> None:
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, stop_strings=args.stop,
                               eos_token_id=tokenizer.eos_token_id if tokenizer else None, seed=args.seed)
-    generator = Generator(_load_model(args.model, args.adapter), tokenizer)
-    print("prompt:   ", args.prompt if args.prompt is not None else prompt)
+    generator = Generator(model, tokenizer)
+    shown = args.prompt if args.prompt is not None else prompt
+    print("prompt:   ", shown if images is None else f"<image {args.image}> {args.prompt or 'Describe the image.'}")
     if tokenizer is None:
-        print("generated:", generator.run([prompt], config, progress=True)[0].tokens)
+        print("generated:", generator.run([prompt], config, progress=True, images=images)[0].tokens)
         return
     print("generated: ", end="", flush=True)
-    row = generator.run([prompt], config, on_token=lambda _r, _t, text: print(text, end="", flush=True))[0]
+    row = generator.run([prompt], config, on_token=lambda _r, _t, text: print(text, end="", flush=True),
+                        images=images)[0]
     print(f"\n({len(row.tokens)} tokens, finish reason: {row.finish_reason})")
+
+
+def _multimodal_prompt(args):
+    """``mindqwen generate <recipe> --image …``: the run's fused model, its tokenizer, the prompt
+    ids (the image token, then the prompt, in the recipe's chat template) and the pixels."""
+    from mindqwen.data.tokenizer import load_tokenizer
+    from mindqwen.multimodal.data import PROMPT, encode_prompt, load_pixels
+    from mindqwen.train.recipe import find_recipe, load_recipe
+    from mindqwen.train.run_multimodal import tokenizer_path, trained_model
+    recipe = load_recipe(find_recipe(args.model), args.overrides)
+    if recipe.multimodal is None or args.image is None:
+        raise ValueError(f"{args.model}: images go with a multimodal recipe's run and --image; a text model is an "
+                         "HF folder")
+    if args.adapter or args.input_ids:
+        raise ValueError("--adapter and --input-ids are for HF folders; a multimodal run takes --image and --prompt")
+    model = trained_model(recipe)
+    tokenizer = load_tokenizer(args.tokenizer or tokenizer_path(recipe))
+    prompt = encode_prompt(tokenizer, model.image_token_id, args.prompt or PROMPT, recipe.multimodal.template)
+    return model, tokenizer, prompt, load_pixels(args.image, recipe.multimodal.vision)
 
 
 def cmd_export(argv: List[str]) -> None:

@@ -151,9 +151,10 @@ def test_video_records_read_npy_arrays_and_frame_folders(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("frames", [1, 3])
-def test_a_recipe_trains_from_jsonl_files_through_mindqwen_train(frames, tokenizer, tmp_path):
+def test_a_recipe_trains_from_jsonl_files_through_mindqwen_train(frames, tokenizer, tmp_path, capsys):
     """``mindqwen train`` on the shapes recipe pointed at files: images (PNG/JPEG, a conversation
-    among captions) or .npy videos; validate reads and checks them first, and training runs."""
+    among captions) or .npy videos; validate reads and checks them first, training runs, and
+    ``mindqwen generate`` continues the trained run's prompt about an image (or video)."""
     from mindqwen.cli import main
     if frames == 1:
         path = _write_images(tmp_path)
@@ -177,3 +178,7 @@ def test_a_recipe_trains_from_jsonl_files_through_mindqwen_train(frames, tokeniz
     metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) for m in metrics)
     assert 0 <= summary["caption_exact_match_after"] <= 1
+    media = str(tmp_path / ("img/1.png" if frames == 1 else "1.npy"))
+    capsys.readouterr()
+    assert main(["generate", "multimodal/shapes", *settings, "--image", media, "--max-new-tokens", "3"]) == 0
+    assert f"<image {media}> Describe the image." in capsys.readouterr().out

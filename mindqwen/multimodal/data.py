@@ -65,10 +65,7 @@ def encode_caption(tokenizer, caption: str, image_token_id: int, seq_length: int
     Raises:
         ValueError: when the prompt and caption do not fit ``seq_length``.
     """
-    from mindqwen.data.chat import render
-    text = render([{"role": "user", "content": "\0" + PROMPT}], template, add_generation_prompt=True)[0]
-    before, after = text.split("\0")
-    prompt = tokenizer.encode(before) + [image_token_id] + tokenizer.encode(after)
+    prompt = encode_prompt(tokenizer, image_token_id, PROMPT, template)
     answer = tokenizer.encode(caption) + [tokenizer.eos_token_id]
     n = len(prompt) + len(answer)
     if n > seq_length:
@@ -147,6 +144,21 @@ def check_media(path: str, video: bool) -> None:
             raise ValueError(f"{file}: cannot read the image ({e})") from None
 
 
+def encode_prompt(tokenizer, image_token_id: int, text: str = PROMPT, template: str = "qwen2.5") -> List[int]:
+    """A user turn of the image token then ``text``, through the chat template up to the
+    assistant's turn: what a caption follows in training, and what generation starts from."""
+    from mindqwen.data.chat import render
+    rendered = render([{"role": "user", "content": "\0" + text}], template, add_generation_prompt=True)[0]
+    before, after = rendered.split("\0")
+    return tokenizer.encode(before) + [image_token_id] + tokenizer.encode(after)
+
+
+def load_pixels(path: str, vision) -> np.ndarray:
+    """One image (or, for a video model, a ``.npy`` clip or frames folder) as the model's pixel
+    values: (3, S, S) or (num_frames, 3, S, S) float32, transformed as in training."""
+    return MediaColumn([path], [""], vision)[0]
+
+
 class MediaColumn:
     """The ``pixel_values`` of rows whose images (or videos) stay on disk, decoded when a batch
     needs them. ``TokenDataset`` takes it in place of an array; ``mindspore_dataset`` reads
@@ -188,7 +200,7 @@ class MediaColumn:
                 return load_clip(self.paths[i], self.num_frames)
             return load_image(self.paths[i])
         except ValueError as e:
-            raise ValueError(f"{self.origins[i]}: {e}") from None
+            raise ValueError(f"{self.origins[i]}: {e}" if self.origins[i] else str(e)) from None
 
     @property
     def transforms(self) -> List[Callable]:
@@ -199,8 +211,10 @@ class MediaColumn:
         return np.stack([apply_transforms(frame, self.image_transforms) for frame in clip])
 
     def __getitem__(self, index) -> np.ndarray:
-        """Rows ``index`` (an int array) decoded and transformed: (len(index), …, 3, S, S) float32."""
-        return np.stack([apply_transforms(self.load(i), self.transforms) for i in np.atleast_1d(index)])
+        """Rows ``index`` (an int array) decoded and transformed: (len(index), …, 3, S, S) float32
+        (one row, without the leading axis, for an int)."""
+        rows = np.stack([apply_transforms(self.load(i), self.transforms) for i in np.atleast_1d(index)])
+        return rows if np.ndim(index) else rows[0]
 
 
 def image_token_id(tokenizer) -> int:
