@@ -340,7 +340,8 @@ def test_shapes_demo_learns_to_caption_and_exports(tmp_path):
     before, after = summary["caption_exact_match_before"], summary["caption_exact_match_after"]
     assert before < 0.1 and after >= before + 0.30, (before, after)
     export = summary["export"]
-    assert export["vision_parity"]["passed"] and export["lm_parity"]["passed"]
+    assert export["vision_parity"]["passed"] and export["lm_parity"]["passed"] and export["image_parity"]["passed"]
+    assert (tmp_path / "export" / "image" / "image_kv.mindir").is_file()
     assert (tmp_path / "export" / "vision.mindir").is_file()
     assert (tmp_path / "export" / "lm" / "decode.mindir").is_file()
 

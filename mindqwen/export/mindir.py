@@ -86,7 +86,7 @@ def graph_specs(config: QwenConfig, max_seq_len: int, dtype: str) -> Dict[str, d
                    "outputs": outputs} for name, seq_len in (("prefill", None), ("decode", 1))}
 
 
-def _placeholders(inputs: List[dict]) -> List[Tensor]:
+def placeholders(inputs: List[dict]) -> List[Tensor]:
     return [Tensor(shape=[None if d < 0 else d for d in i["shape"]], dtype=getattr(ms, i["dtype"]))
             for i in inputs]
 
@@ -142,10 +142,10 @@ def _write(model, folder, batch_sizes, max_seq_len, buckets, dtype, target, prec
     plain = deploy_copy(model, dtype)
     graphs = graph_specs(plain.config, max_seq_len, dtype)
     for name, graph in graphs.items():
-        ms.export(CachedStep(plain), *_placeholders(graph["inputs"]), file_name=os.path.join(folder, name),
+        ms.export(CachedStep(plain), *placeholders(graph["inputs"]), file_name=os.path.join(folder, name),
                   file_format="MINDIR")
     del plain
-    tokenizer = _copy_tokenizer(tokenizer_files, folder)
+    tokenizer = copy_tokenizer(tokenizer_files, folder)
     c = model.config
     manifest = {
         "format": "mindqwen-export/1",
@@ -165,7 +165,7 @@ def _write(model, folder, batch_sizes, max_seq_len, buckets, dtype, target, prec
     return manifest
 
 
-def _copy_tokenizer(files: Sequence[str], folder: str) -> Optional[dict]:
+def copy_tokenizer(files: Sequence[str], folder: str) -> Optional[dict]:
     if not files:
         return None
     os.makedirs(os.path.join(folder, "tokenizer"))
@@ -186,7 +186,7 @@ def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens
     longest = min(manifest["seq_buckets"][0], manifest["max_seq_len"] - new_tokens)
     lengths = [max(1, longest - 3 * i) for i in range(b)]  # left padding on every row but the first
     prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in lengths]
-    tokens, logits = _run_exported(folder, prompts, new_tokens)
+    tokens, logits = run_exported_process(folder, prompts, new_tokens)
     dtype = manifest["dtype"]
     eager_tokens, eager_logits = _eager_steps(deploy_copy(model, dtype), manifest, prompts, new_tokens)
     eager = {"tokens_identical": bool(np.array_equal(eager_tokens, tokens)),
@@ -207,14 +207,19 @@ def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens
     return report
 
 
-def _run_exported(folder: str, prompts: List[List[int]], new_tokens: int):
-    """The export's own runner in a fresh process: tokens (B, N), logits (N, B, V)."""
+def run_exported_process(folder: str, prompts: List[List[int]], new_tokens: int,
+                         pixels: Optional[np.ndarray] = None):
+    """The export's own runner in a fresh process: tokens (B, N), logits (N, B, V). ``pixels``:
+    one image per prompt, for an image-conditioned export."""
     with tempfile.TemporaryDirectory() as tmp:
         request, dump = os.path.join(tmp, "prompts.json"), os.path.join(tmp, "out.npz")
         with open(request, "w") as f:
             json.dump(prompts, f)
         cmd = [sys.executable, os.path.join(folder, "run_exported.py"), folder, "--backend", "mindspore",
                "--prompts", request, "--max-new-tokens", str(new_tokens), "--dump", dump]
+        if pixels is not None:
+            np.save(os.path.join(tmp, "pixels.npy"), pixels)
+            cmd += ["--pixels", os.path.join(tmp, "pixels.npy")]
         # Unfused, as the eager steps it is compared with (PyNative) and as Lite runs the graphs:
         # CPU graph-kernel fusion reorders the sums (measured 4e-5 on the demo's logits).
         env = {**os.environ, "GLOG_v": "3", "MS_DEV_GRAPH_KERNEL_FLAGS": "--opt_level=0"}

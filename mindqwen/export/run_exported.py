@@ -6,10 +6,16 @@ Copied into every export folder. Backends:
 
     python run_exported.py EXPORT_DIR --prompt-ids 483,320,350 --max-new-tokens 32
     python run_exported.py EXPORT_DIR --backend lite --device-id 0 --prompt "你好" (needs tokenizer/)
+    python run_exported.py IMAGE_EXPORT_DIR --image cat.png --prompt-ids ...  (image-conditioned)
 
 Prompts are left-padded to the smallest exported sequence bucket (Lite gears are fixed shapes)
 and the batch is filled up to the smallest exported batch size with copies of the first row.
 The KV cache goes in and out of every call (stacked [layers, batch, kv_heads, slot, head_dim]).
+
+An image-conditioned export (``"image"`` in the manifest) runs ``image_kv`` first: the pixels
+(``--pixels`` a .npy (B, …) already transformed, or ``--image`` a file transformed here with
+mindspore.dataset as the manifest says) become the cross-attention keys and values, which every
+prefill and decode call then reads, with ``vision_mask`` 1 from the image token on.
 """
 import argparse
 import json
@@ -57,11 +63,21 @@ class LiteGraphs:
         return [o.get_data_to_numpy() for o in model.predict(inputs)]
 
 
-def generate(run, manifest, prompts, max_new_tokens):
-    """Greedy tokens (B, N) and the logits of every step (N, B, V)."""
+def generate(run, manifest, prompts, max_new_tokens, pixels=None):
+    """Greedy tokens (B, N) and the logits of every step (N, B, V); ``pixels`` (B, …): one image
+    per prompt for an image-conditioned export."""
     rows = len(prompts)
     batch = min([b for b in manifest["batch_sizes"] if b >= rows] or [rows])
     prompts = list(prompts) + [prompts[0]] * (batch - rows)
+    image = manifest.get("image")
+    if (image is None) != (pixels is None):
+        sys.exit("an image-conditioned export needs --pixels or --image" if image else "this export takes no image")
+    if image is not None:
+        if list(pixels.shape[1:]) != image["pixel_shape"][1:] or len(pixels) != rows:
+            sys.exit(f"pixels of shape {list(pixels.shape)}: the export takes one row per prompt ({rows}) of "
+                     f"{image['pixel_shape'][1:]}")
+        if any(image["token_id"] not in p for p in prompts):
+            sys.exit(f"every prompt needs the image token {image['token_id']}: text from it on sees the image")
     longest = max(len(p) for p in prompts)
     fits = [s for s in manifest["seq_buckets"] if s >= longest]
     max_len = manifest["max_seq_len"]
@@ -77,7 +93,14 @@ def generate(run, manifest, prompts, max_new_tokens):
     shape = [d if d >= 0 else batch for d in manifest["cache"]["shape"]]
     cache = np.zeros(shape, {"float32": np.float32, "float16": np.float16}[manifest["dtype"]])
     slots = np.tile(np.arange(s, dtype=np.int32), (batch, 1))  # (B, S): every row fills 0..S-1
-    logits, k, v = run("prefill", [ids, positions, mask, slots, cache, cache])
+    extra = []
+    if image is not None:  # the image's keys/values once; tokens from the image token on see them
+        pixels = np.concatenate([pixels, np.repeat(pixels[:1], batch - rows, 0)]).astype(np.float32)
+        image_k, image_v = run("image_kv", [pixels])
+        sees = ((np.cumsum(ids == image["token_id"], 1) > 0) & (mask[:, :s] > 0)).astype(np.float32)
+        extra, seen = [image_k, image_v], sees[:, -1:, None]
+    logits, k, v = run("prefill", [ids, positions, mask, slots, cache, cache] + extra
+                       + ([sees[:, :, None]] if image is not None else []))
     eos = manifest["generation"].get("eos_token_id")
     eos = set(np.atleast_1d(eos).tolist()) if eos is not None else set()
     tokens, steps, done = [], [], np.zeros(batch, bool)
@@ -90,7 +113,10 @@ def generate(run, manifest, prompts, max_new_tokens):
         if done[:rows].all() or i == max_new_tokens - 1:
             break
         mask[:, s + i] = 1
-        logits, k, v = run("decode", [nxt[:, None], pos + i, mask, np.full((batch, 1), s + i, np.int32), k, v])
+        if image is not None:
+            seen = np.maximum(seen, (nxt == image["token_id"]).astype(np.float32)[:, None, None])
+        logits, k, v = run("decode", [nxt[:, None], pos + i, mask, np.full((batch, 1), s + i, np.int32), k, v]
+                           + (extra + [seen] if image is not None else []))
     return np.stack(tokens, 1), np.stack(steps)
 
 
@@ -103,6 +129,8 @@ def main(argv=None):
     p.add_argument("--prompts", help="JSON file: a list of token-id lists (one batch)")
     p.add_argument("--prompt", help="text (needs tokenizer/ in the export and sentencepiece or tokenizers)")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--pixels", help="image-conditioned export: .npy pixel values, one row per prompt")
+    p.add_argument("--image", help="image-conditioned export: an image file (needs mindspore.dataset and PIL)")
     p.add_argument("--dump", help="write tokens and per-step logits to this .npz")
     a = p.parse_args(argv)
     with open(os.path.join(a.folder, "manifest.json")) as f:
@@ -118,12 +146,26 @@ def main(argv=None):
         prompts = [getattr(encoded, "ids", encoded)]  # tokenizers returns an Encoding
     else:
         sys.exit("give --prompt-ids, --prompts or --prompt")
+    pixels = np.load(a.pixels) if a.pixels else load_image(a.image, manifest) if a.image else None
     backend = MindSporeGraphs if a.backend == "mindspore" else LiteGraphs
-    tokens, logits = generate(backend(a.folder, manifest, a.device_id), manifest, prompts, a.max_new_tokens)
+    tokens, logits = generate(backend(a.folder, manifest, a.device_id), manifest, prompts, a.max_new_tokens, pixels)
     if a.dump:
         np.savez(a.dump, tokens=tokens, logits=logits)
     for row in tokens.tolist():
         print(json.dumps({"tokens": row, "text": tokenizer.decode(row) if tokenizer else None}, ensure_ascii=False))
+
+
+def load_image(path, manifest):
+    """An image file as (1, 3, S, S) pixels: the training transforms, listed in the manifest."""
+    import mindspore.dataset.transforms as T
+    import mindspore.dataset.vision as V
+    from PIL import Image
+    t = manifest["image"]["transforms"]
+    with Image.open(path) as img:
+        rgb = np.asarray(img.convert("RGB"), np.uint8)
+    ops = T.Compose([V.Resize(t["resize"]), V.CenterCrop(t["center_crop"]), V.Rescale(t["rescale"], 0.0),
+                     V.Normalize(t["mean"], t["std"]), V.HWC2CHW()])
+    return np.asarray(ops(rgb), np.float32)[None]
 
 
 def load_tokenizer(folder, manifest):

@@ -7,24 +7,36 @@
                      (B, 3, S, S) — or (B, T, 3, S, S) for video — float32 → vision tokens (B, Nv, H);
                      B is dynamic
       vision.json    its input/output shapes, the image transforms and its parity figures
-
-The cross-attention blocks are not in the LM graphs: those serve the text-only path. A decode graph
-that takes the vision tokens as an input is the next step (docs/multimodal.md).
+      image/         image-conditioned generation (float32; converter_lite may lower it to fp16):
+        image_kv.mindir  pixel_values → every cross-attention block's keys and values
+                         (image_k_cache, image_v_cache: C, B, heads, Nv, D), once per image
+        prefill.mindir, decode.mindir  the LM's step graphs with the cross-attention blocks, taking
+                         image_k_cache, image_v_cache and vision_mask (B, T, 1) after the KV cache
+        manifest.json (with "image": token id, pixel shape, transforms), run_exported.py, lite/,
+        tokenizer/, parity.json (a fresh process without mindqwen vs the eager steps and the
+        full forward of the fused model)
 """
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional, Sequence
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from mindqwen.export.mindir import export_model
+from mindqwen.export import lite
+from mindqwen.export.mindir import (FULL_TOLERANCE, PARITY_TOLERANCE, RUNNER, copy_tokenizer, export_model,
+                                   graph_specs, placeholders, run_exported_process)
 from mindqwen.io.atomic import atomic_folder
+from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import read_json, write_json
 from mindqwen.lora import lora_layers
+from mindqwen.models.kv_cache import ImageCachedStep, ImageKeysValues
+from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.multimodal.data import IMAGENET_MEAN, IMAGENET_STD
+from mindqwen.multimodal.fusion import MultimodalQwen
 from mindqwen.multimodal.vision import Projector, VisionEncoder
 
 VISION_TOLERANCE = 1e-4  # merged W + s·B·A vs the two-branch sum, on tokens of |x| ≈ 1–10
@@ -60,6 +72,12 @@ def pixel_shape(config) -> list:
     return [-1] + frames + [config.num_channels, config.image_size, config.image_size]
 
 
+def transforms(config) -> dict:
+    """The image transforms of training (``mindqwen.multimodal.data.image_transforms``), as data."""
+    return {"resize": round(config.image_size * 256 / 224), "center_crop": config.image_size,
+            "rescale": 1 / 255, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "layout": "CHW"}
+
+
 def export_vision(model, folder: str) -> dict:
     """Write ``vision.mindir`` and ``vision.json`` into ``folder``; returns the JSON's content.
 
@@ -85,8 +103,7 @@ def export_vision(model, folder: str) -> dict:
     info = {"inputs": [{"name": "pixel_values", "shape": shape, "dtype": "float32"}],
             "outputs": [{"name": "vision_tokens", "shape": [-1, exported.shape[1], exported.shape[2]],
                          "dtype": "float32"}],
-            "transforms": {"resize": round(c.image_size * 256 / 224), "center_crop": c.image_size,
-                           "rescale": 1 / 255, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "layout": "CHW"},
+            "transforms": transforms(c),
             "cross_layers": list(model.cross_layers), "image_token_id": model.image_token_id, "parity": parity}
     write_json(os.path.join(folder, "vision.json"), info)
     if not parity["passed"]:
@@ -98,14 +115,152 @@ def export_multimodal(model, folder: str, batch_sizes: Sequence[int] = (1,), max
                       seq_buckets: Optional[Sequence[int]] = None, dtype: str = "float32",
                       target: str = "Ascend310", precision_mode: Optional[str] = None,
                       tokenizer_files: Sequence[str] = ()) -> dict:
-    """``folder``/lm (the LM export, with its parity report) and ``folder``/vision.mindir; staged
-    beside ``folder`` and renamed into place, so a failure leaves any earlier export as it was."""
+    """``folder``/lm (the LM export, with its parity report), ``folder``/vision.mindir and
+    ``folder``/image (image-conditioned generation); staged beside ``folder`` and renamed into
+    place, so a failure leaves any earlier export as it was."""
     with atomic_folder(folder) as staging:
         export_model(model.lm, os.path.join(staging, "lm"), batch_sizes, max_seq_len, seq_buckets, dtype, target,
                      precision_mode, tokenizer_files)
         vision = export_vision(model, staging)
+        image = export_image_graphs(model, os.path.join(staging, "image"), batch_sizes, max_seq_len, seq_buckets,
+                                    target, precision_mode, tokenizer_files)
     lm_parity = read_json(os.path.join(folder, "lm", "parity.json"), RuntimeError, "LM parity report")
-    print(f"exported {folder}: lm/ (prefill + decode MindIR, lite/), vision.mindir; vision graph vs eager: "
-          f"{vision['parity']['vs_unmerged_model']:.1e}", flush=True)
+    print(f"exported {folder}: lm/ (prefill + decode MindIR, lite/), vision.mindir, image/; vision graph vs "
+          f"eager: {vision['parity']['vs_unmerged_model']:.1e}; image-conditioned steps vs the full forward: "
+          f"{image['full_recompute']['max_abs_logit_diff']:.1e}", flush=True)
     return {"folder": folder, "vision_parity": vision["parity"],
-            "lm_parity": {k: lm_parity[k] for k in ("eager_same_steps", "full_recompute", "passed")}}
+            "lm_parity": {k: lm_parity[k] for k in ("eager_same_steps", "full_recompute", "passed")},
+            "image_parity": {k: image[k] for k in ("eager_same_steps", "full_recompute", "passed")}}
+
+
+def plain_fused(model: MultimodalQwen) -> MultimodalQwen:
+    """A LoRA-free float32 copy of the fused model (LoRA merged in float64, no fused kernels)."""
+    merged = {layer.weight.name: layer.merged_weight_np() for layer in lora_layers(model).values()}
+    source = {p.name: p for p in model.get_parameters()}
+    with no_init_parameters():  # every weight is set below
+        lm = QwenForCausalLM(model.config, ms.float32, use_fused_ops=False)
+        copy = MultimodalQwen(lm, model.vision_config, model.cross_layers, model.image_token_id)
+    for p in copy.get_parameters():
+        value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
+        p.set_data(Tensor(np.ascontiguousarray(value, np.float32)))
+    copy.set_train(False)
+    return copy
+
+
+def image_graph_specs(model: MultimodalQwen, max_seq_len: int) -> dict:
+    """The manifest's ``graphs`` of the image-conditioned export: the LM's step graphs with the
+    image keys/values and the vision mask after the KV cache, and ``image_kv``."""
+    c, n = model.config, len(model.cross_layers)
+    tokens = model.vision_config.num_frames * model.vision_config.num_patches  # (B, T·N, D) from the ViT
+    heads = c.num_attention_heads
+    image = [n, -1, heads, tokens, c.hidden_size // heads]
+    graphs = graph_specs(c, max_seq_len, "float32")
+    for name, graph in graphs.items():
+        t = graph["inputs"][0]["shape"][1]
+        graph["inputs"] += [{"name": "image_k_cache", "shape": image, "dtype": "float32"},
+                            {"name": "image_v_cache", "shape": image, "dtype": "float32"},
+                            {"name": "vision_mask", "shape": [-1, t, 1], "dtype": "float32"}]
+    graphs["image_kv"] = {"file": "image_kv.mindir",
+                          "inputs": [{"name": "pixel_values", "shape": pixel_shape(model.vision_config),
+                                      "dtype": "float32"}],
+                          "outputs": [{"name": "image_k_cache", "shape": image, "dtype": "float32"},
+                                      {"name": "image_v_cache", "shape": image, "dtype": "float32"}]}
+    return graphs
+
+
+def export_image_graphs(model: MultimodalQwen, folder: str, batch_sizes: Sequence[int], max_seq_len: int,
+                        seq_buckets: Optional[Sequence[int]], target: str, precision_mode: Optional[str],
+                        tokenizer_files: Sequence[str] = ()) -> dict:
+    """Write ``folder`` (image_kv, prefill and decode MindIR, manifest, runner, lite/, tokenizer/)
+    and check it in a fresh process; returns the parity report.
+
+    Raises:
+        RuntimeError: the exported graphs disagree with the eager model.
+    """
+    from mindqwen.export.mindir import default_buckets
+    plain = plain_fused(model)
+    graphs = image_graph_specs(plain, max_seq_len)
+    buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
+    os.makedirs(folder)
+    ms.export(ImageKeysValues(plain), *placeholders(graphs["image_kv"]["inputs"]),
+              file_name=os.path.join(folder, "image_kv"), file_format="MINDIR")
+    for name in ("prefill", "decode"):
+        ms.export(ImageCachedStep(plain), *placeholders(graphs[name]["inputs"]), file_name=os.path.join(folder, name),
+                  file_format="MINDIR")
+    c, v = model.config, model.vision_config
+    manifest = {
+        "format": "mindqwen-export/1",
+        "model": {k: getattr(c, k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "head_dim")},
+        "dtype": "float32", "max_seq_len": max_seq_len, "batch_sizes": list(batch_sizes), "seq_buckets": buckets,
+        "cache": {"layout": "layers, batch, kv_heads, slot, head_dim", "dtype": "float32",
+                  "shape": [c.num_hidden_layers, -1, c.num_key_value_heads, max_seq_len, c.head_dim],
+                  "padding": "left: the prompt fills slots 0..S-1, decode step i writes slot S+i"},
+        "graphs": graphs, "tokenizer": copy_tokenizer(tokenizer_files, folder),
+        "generation": {"eos_token_id": c.eos_token_id},
+        "image": {"token_id": model.image_token_id, "cross_layers": list(model.cross_layers),
+                  "pixel_shape": pixel_shape(v), "transforms": transforms(v)},
+    }
+    manifest["lite"] = lite.write_configs(manifest, folder, target, precision_mode)
+    shutil.copy(RUNNER, os.path.join(folder, "run_exported.py"))
+    write_json(os.path.join(folder, "manifest.json"), manifest)
+    report = image_parity(model, plain, folder, manifest)
+    if not report["passed"]:
+        raise RuntimeError(f"exported image-conditioned graphs disagree with the eager model: {report}")
+    return report
+
+
+def image_parity(model: MultimodalQwen, plain: MultimodalQwen, folder: str, manifest: dict, new_tokens: int = 6) -> dict:
+    """Greedy generation through the exported graphs in a fresh process (no mindqwen import) on a
+    left-padded batch, each row with its own image, against (1) the same steps run eagerly on
+    the exported weights and (2) the full forward of the fused model (LoRA merged) without a
+    cache. Writes and returns ``parity.json``."""
+    from mindqwen.export import run_exported
+    rng = np.random.default_rng(0)
+    b = max(manifest["batch_sizes"])
+    longest = min(manifest["seq_buckets"][0], manifest["max_seq_len"] - new_tokens)
+    lengths = [max(2, longest - 3 * i) for i in range(b)]  # left padding on every row but the first
+    prompts = [rng.integers(0, model.image_token_id, n).tolist() for n in lengths]
+    for p in prompts:
+        p[len(p) // 2] = model.image_token_id  # text before and after the image
+    pixels = rng.normal(0, 1, [b] + pixel_shape(model.vision_config)[1:]).astype(np.float32)
+    tokens, logits = run_exported_process(folder, prompts, new_tokens, pixels)
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        steps = {"image_kv": ImageKeysValues(plain), "prefill": ImageCachedStep(plain), "decode": ImageCachedStep(plain)}
+        eager_tokens, eager_logits = run_exported.generate(
+            lambda name, arrays: [o.asnumpy() for o in steps[name](*map(Tensor, arrays))], manifest, prompts,
+            new_tokens, pixels)
+        full = _full_forward(plain, prompts, pixels, tokens, logits)
+        # the model as trained: W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
+        unmerged = _full_forward(model, prompts, pixels, tokens, logits) if lora_layers(model) else None
+    finally:
+        ms.set_context(mode=mode)
+    eager = {"tokens_identical": bool(np.array_equal(eager_tokens, tokens)),
+             "max_abs_logit_diff": float(np.abs(eager_logits - logits).max()) if eager_logits.shape == logits.shape
+             else float("inf")}
+    report = {"eager_same_steps": eager, "full_recompute": full, "tokens": tokens.tolist(),
+              "tolerance": PARITY_TOLERANCE["float32"], "full_tolerance": FULL_TOLERANCE, "batch_size": b,
+              "prompt_lengths": lengths, "new_tokens": new_tokens}
+    if unmerged is not None:
+        report["unmerged_lora"] = unmerged
+    report["passed"] = bool(eager["tokens_identical"] and eager["max_abs_logit_diff"] <= report["tolerance"]
+                            and full["tokens_identical"] and full["max_abs_logit_diff"] <= FULL_TOLERANCE)
+    write_json(os.path.join(folder, "parity.json"), report)
+    return report
+
+
+def _full_forward(model: MultimodalQwen, prompts, pixels, tokens, logits) -> dict:
+    """The fused model's forward without a cache over each prefix the exported graphs saw."""
+    s = max(len(p) for p in prompts)
+    diff, same = 0.0, True
+    for i in range(tokens.shape[1]):
+        ids = np.zeros((len(prompts), s + i), np.int32)
+        mask = np.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, s - len(p):], mask[r, s - len(p):] = list(p) + tokens[r, :i].tolist(), 1
+        eager = model(Tensor(ids), Tensor(pixels[:len(prompts)]), Tensor(mask)).asnumpy()[:, -1]
+        diff = max(diff, float(np.abs(eager - logits[i]).max()))
+        same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
+    return {"tokens_identical": same, "max_abs_logit_diff": diff}
