@@ -220,31 +220,54 @@ def _ints(text: str, flag: str) -> List[int]:
 
 def cmd_serve(argv: List[str]) -> None:
     """Serve a model over HTTP (OpenAI-style /v1/completions, /v1/chat/completions) with continuous batching."""
-    p = _parser(cmd_serve, "mindqwen serve Qwen2.5-0.5B-Instruct/ --tokenizer Qwen2.5-0.5B-Instruct/ --port 8000")
-    p.add_argument("model", help="HF folder")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece .model, tokenizer folder or qwen.tiktoken")
+    p = _parser(cmd_serve, "mindqwen serve Qwen2.5-0.5B-Instruct/ --tokenizer Qwen2.5-0.5B-Instruct/ --port 8000\n"
+                           "  mindqwen serve recipes/multimodal/shapes.yaml   # a finished multimodal run: image_url parts")
+    p.add_argument("model", help="HF folder; or a multimodal recipe (file or bundled name) whose run has finished")
+    p.add_argument("overrides", nargs="*", help="recipe key=value overrides (with a multimodal recipe)")
+    p.add_argument("--tokenizer", help="SentencePiece .model, tokenizer folder or qwen.tiktoken (an HF folder needs "
+                                       "it; a multimodal run has its own)")
     p.add_argument("--adapter", help="PEFT adapter folder to load on top")
     p.add_argument("--recipe", help="recipe whose generation and serve sections give the defaults")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--max-batch-size", type=int)
     p.add_argument("--max-queue", type=int)
-    p.add_argument("--chat-template", choices=["qwen2.5", "qwen3"], default="qwen2.5")
+    p.add_argument("--chat-template", choices=["qwen2.5", "qwen3"],
+                   help="default qwen2.5; a multimodal run: its recipe's multimodal.template")
     p.add_argument("--model-name", default="mindqwen", help="the id /v1/models lists and responses carry")
     p.add_argument("--api-key", default=os.environ.get("MINDQWEN_API_KEY"),
                    help="require Authorization: Bearer <key> (default: $MINDQWEN_API_KEY; unset: no key)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     from mindqwen.data.tokenizer import load_tokenizer
     from mindqwen.generation import Generator, OutputFilter
     from mindqwen.serve import Server
     from mindqwen.train.recipe import Recipe, load_recipe
-    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
+    template = args.chat_template
+    if args.model.endswith((".yaml", ".yml")) or not os.path.isdir(args.model):  # a multimodal run
+        from mindqwen.train.recipe import RecipeError, find_recipe
+        from mindqwen.train.run_multimodal import tokenizer_path, trained_model
+        try:
+            path = find_recipe(args.model)
+        except RecipeError:
+            raise ValueError(f"{args.model}: neither an HF folder nor a recipe (file or bundled name)") from None
+        recipe = load_recipe(path, args.overrides)
+        if recipe.multimodal is None or args.adapter:
+            raise ValueError(f"{args.model}: serve an HF folder (with --adapter), or a finished multimodal recipe run")
+        model, tokenizer = trained_model(recipe), args.tokenizer or tokenizer_path(recipe)
+        template = template or recipe.multimodal.template
+        recipe = load_recipe(args.recipe) if args.recipe else recipe
+    else:
+        if not args.tokenizer or args.overrides:
+            raise ValueError("serving an HF folder needs --tokenizer (and takes no key=value overrides)")
+        model, tokenizer = _load_model(args.model, args.adapter), args.tokenizer
+        recipe = load_recipe(args.recipe) if args.recipe else Recipe()
     s, g = recipe.serve, recipe.generation
     block = OutputFilter(g.output_filter.block, g.output_filter.action) if g.output_filter.block else None
-    generator = Generator(_load_model(args.model, args.adapter), load_tokenizer(args.tokenizer), block)
+    generator = Generator(model, load_tokenizer(tokenizer), block)
     server = Server(generator, args.host or s.host, args.port if args.port is not None else s.port,
                     args.max_batch_size or s.max_batch_size, args.max_queue or s.max_queue, s.max_prompt_tokens,
-                    g.config(), args.chat_template, args.model_name, args.api_key, s.max_connections, s.max_body_bytes, s.keep_alive_s, s.log_prompts)
+                    g.config(), template or "qwen2.5", args.model_name, args.api_key, s.max_connections,
+                    s.max_body_bytes, s.keep_alive_s, s.log_prompts, s.local_images)
     host, port = server.address
     print(f"serving {args.model_name} on http://{host}:{port} (POST /v1/completions, /v1/chat/completions; "
           f"GET /v1/models, /health){'; API key required' if args.api_key else ''}", flush=True)

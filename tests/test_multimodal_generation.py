@@ -150,3 +150,56 @@ def test_the_image_export_reproduces_the_eager_model_in_a_process_without_mindqw
     np.save(tmp_path / "one.npy", images[:1])
     out = subprocess.run(run + ["--pixels", str(tmp_path / "one.npy")], capture_output=True, text=True)
     assert out.returncode != 0 and "every prompt needs the image token 7" in out.stderr
+
+
+def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
+    """POST /v1/chat/completions with an OpenAI ``image_url`` part (a base64 data URL, or a local
+    path) answers what the Generator answers for the same prompt and pixels; bad image parts get
+    400 naming why."""
+    import base64
+    import json
+    from PIL import Image
+    from mindqwen.data.chat import render
+    from mindqwen.data.tokenizer import ByteTokenizer  # bytes are ids: byte 7 never occurs in text
+    from mindqwen.multimodal.data import apply_transforms, image_transforms, load_image
+    from mindqwen.serve import Server
+    from test_serve import _post
+    _, model = _model()
+    generator = Generator(model, ByteTokenizer())
+    Image.fromarray(np.random.default_rng(5).integers(0, 255, (20, 30, 3), dtype=np.uint8)).save(tmp_path / "x.png")
+    data_url = "data:image/png;base64," + base64.b64encode((tmp_path / "x.png").read_bytes()).decode()
+    text = render([{"role": "user", "content": "\0What is it?"}], "qwen2.5", add_generation_prompt=True)[0]
+    before, after = text.split("\0")
+    prompt = list(before.encode()) + [IMAGE_TOKEN] + list(after.encode())
+    pixels = apply_transforms(load_image(str(tmp_path / "x.png")), image_transforms(16))
+    alone = generator.run([prompt], GenerationConfig(max_new_tokens=5, eos_token_id=0), images=[pixels])[0]
+    server = Server(generator, port=0, defaults=GenerationConfig(max_new_tokens=5)).start()
+    try:
+        def chat(parts, **extra):
+            body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 5, "temperature": 0, **extra}
+            return _post(server, "/v1/chat/completions", body)
+
+        question = {"type": "text", "text": "What is it?"}
+        for url in (data_url, str(tmp_path / "x.png"), f"file://{tmp_path / 'x.png'}"):
+            status, body = chat([{"type": "image_url", "image_url": {"url": url}}, question])
+            assert status == 200, body
+            assert json.loads(body)["choices"][0]["message"]["content"] == alone.text
+        image = {"type": "image_url", "image_url": {"url": data_url}}
+        for parts, why in [([image, image, question], "a request carries one image"),
+                           ([{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}], "not fetched over"),
+                           ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}], "not valid base64"),
+                           ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+                            "image_url: cannot read the image"),
+                           ([{"type": "image_url", "image_url": {"url": str(tmp_path / "none.png")}}], "none.png"),
+                           ([{"type": "text", "text": "\x07 hi"}], "holds the image token 7 without an image")]:
+            status, body = chat(parts)
+            assert status == 400 and why in json.loads(body)["error"]["message"], (why, body)
+    finally:
+        server.shutdown()
+    server = Server(generator, port=0, local_images=False).start()
+    try:
+        status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(tmp_path / "x.png")}}]}]})
+        assert status == 400 and "local image paths are off" in body
+    finally:
+        server.shutdown()

@@ -24,9 +24,13 @@ import time
 import uuid
 from typing import AsyncIterator, List, Optional
 
+import numpy as np
+
 from mindqwen.generation import GenerationConfig, Generator, RowResult
 from mindqwen.serve.protocol import ChatRequest, CompletionRequest, UnsupportedField
 from mindqwen.serve.worker import BatchWorker, Busy, Job
+
+IMAGE_SLOT = "\0"  # where an image part sits in a rendered chat, until it becomes the image token
 
 try:
     import uvicorn
@@ -73,6 +77,8 @@ class Server:
         max_body_bytes: larger request bodies get 413.
         keep_alive_s: idle keep-alive connections close after this.
         log_prompts: include prompt text in the request log.
+        local_images: a multimodal model's chat requests may name image files on this machine
+            (``image_url`` a path or ``file://``); data URLs are always accepted.
     """
 
     def __init__(self, generator: Generator, host: str = "127.0.0.1", port: int = 8000,
@@ -80,7 +86,7 @@ class Server:
                  max_prompt_tokens: int = 2048, defaults: Optional[GenerationConfig] = None,
                  chat_template: str = "qwen2.5", model_name: str = "mindqwen", api_key: Optional[str] = None,
                  max_connections: int = 512, max_body_bytes: int = 1 << 20, keep_alive_s: float = 5.0,
-                 log_prompts: bool = False):
+                 log_prompts: bool = False, local_images: bool = True):
         if generator.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
         self.generator, self.tokenizer = generator, generator.tokenizer
@@ -90,6 +96,7 @@ class Server:
         self.vocab_size = generator.model.config.vocab_size
         self.defaults = defaults or GenerationConfig(max_new_tokens=128)
         self.chat_template, self.model_name, self.log_prompts = chat_template, model_name, log_prompts
+        self.image_token_id, self.local_images = generator.image_token_id, local_images
         self.created = int(time.time())
         self.sock = socket.create_server((host, port), backlog=2048, reuse_port=False)
         self.address = self.sock.getsockname()[:2]
@@ -124,13 +131,10 @@ class Server:
     # ------------------------------------------------------------------ requests → jobs
     def jobs(self, request, loop) -> List[Job]:
         """One ``Job`` per prompt of a checked request; raises ``ApiError`` (400)."""
+        image = None
         if isinstance(request, ChatRequest):
-            from mindqwen.data.chat import render
-            try:
-                text = render(request.rendered_messages(), self.chat_template, add_generation_prompt=True)[0]
-            except ValueError as e:
-                raise ApiError(400, str(e), "messages") from None
-            prompts, field, new_tokens = [self.tokenizer.encode(text)], "messages", request.new_tokens()
+            prompt, image = self.chat_prompt(request)
+            prompts, field, new_tokens = [prompt], "messages", request.new_tokens()
         else:
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in request.prompts()]
             field, new_tokens = "prompt", request.max_tokens
@@ -142,6 +146,9 @@ class Server:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens; the limit is {self.max_prompt}", field)
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise ApiError(400, f"token ids must be in [0, {self.vocab_size})", field)
+            if image is None and self.image_token_id is not None and self.image_token_id in ids:
+                raise ApiError(400, f"the prompt holds the image token {self.image_token_id} without an image "
+                                    "(send an image_url content part)", field)
             room = self.max_positions - len(ids)
             if new_tokens is not None and new_tokens > room:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {new_tokens}: together more "
@@ -154,8 +161,63 @@ class Server:
                 echo = given if isinstance(given, str) else self.tokenizer.decode(given)
             for i in range(request.n):  # n choices: distinct draws (seed, seed + 1, … when seeded)
                 config = self.config(request, new_tokens or min(self.defaults.max_new_tokens, room), i)
-                jobs.append(Job(list(ids), config, loop, echo=echo))
+                jobs.append(Job(list(ids), config, loop, echo=echo, image=image))
         return jobs
+
+    def chat_prompt(self, request: ChatRequest):
+        """The prompt ids of a chat request through the chat template and, for a multimodal model,
+        its image: the one ``image_url`` part becomes the image token and the pixel values."""
+        from mindqwen.data.chat import render
+        urls = [url for m in request.messages for url in m.image_urls()]
+        slot = IMAGE_SLOT if self.image_token_id is not None else None
+        if slot is not None and len(urls) > 1:
+            raise ApiError(400, f"a request carries one image (the model attends to one per prompt), got {len(urls)}",
+                           "messages")
+        try:
+            text = render(request.rendered_messages(slot), self.chat_template, add_generation_prompt=True)[0]
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        if not urls:
+            return self.tokenizer.encode(text), None
+        before, after = text.split(IMAGE_SLOT)
+        return (self.tokenizer.encode(before) + [self.image_token_id] + self.tokenizer.encode(after),
+                self.read_image(urls[0]))
+
+    def read_image(self, url) -> np.ndarray:
+        """An ``image_url`` (a base64 data URL, or a local path when ``local_images``) as the
+        model's pixel values, transformed as in training; raises ``ApiError`` (400) naming why."""
+        import base64
+        import binascii
+        import io
+        from mindqwen.multimodal.data import apply_transforms, image_transforms, load_image
+        vision = self.generator.model.vision_config
+        if vision.num_frames > 1:
+            raise ApiError(400, "this model reads videos (vision.num_frames > 1): image parts are for image models",
+                           "messages")
+        if not isinstance(url, str):
+            raise ApiError(400, "image_url.url must be a string", "messages")
+        if url.startswith("data:"):
+            head, _, data = url.partition(",")
+            if not head.endswith(";base64"):
+                raise ApiError(400, "an image data URL is base64: data:image/png;base64,...", "messages")
+            try:
+                source = io.BytesIO(base64.b64decode(data, validate=True))
+            except (binascii.Error, ValueError):
+                raise ApiError(400, "the image data URL is not valid base64", "messages") from None
+        elif url.startswith(("http://", "https://")):
+            raise ApiError(400, "images are not fetched over the network: send a data URL "
+                                "(data:image/png;base64,...)", "messages")
+        elif not self.local_images:
+            raise ApiError(400, "local image paths are off on this server (serve.local_images): send a data URL",
+                           "messages")
+        else:
+            source = url[len("file://"):] if url.startswith("file://") else url
+        try:
+            rgb = load_image(source)
+        except ValueError as e:
+            raise ApiError(400, f"image_url: {str(e).split(': ', 1)[-1] if isinstance(source, io.BytesIO) else e}",
+                           "messages") from None
+        return apply_transforms(rgb, image_transforms(vision.image_size))
 
     def config(self, request, max_new_tokens: int, choice: int = 0) -> GenerationConfig:
         d = self.defaults

@@ -127,12 +127,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, List[Union[TextPart, ImagePart]]]
 
-    def text(self) -> str:
+    def text(self, image: Optional[str] = None) -> str:
+        """The content as text; image parts become ``image`` (a multimodal model's placeholder)."""
         if isinstance(self.content, str):
             return self.content
-        if any(isinstance(p, ImagePart) for p in self.content):
+        if image is None and any(isinstance(p, ImagePart) for p in self.content):
             raise UnsupportedField("messages", "image content parts need a multimodal model; this one is text-only")
-        return "".join(p.text for p in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else image for p in self.content)
+
+    def image_urls(self) -> List[str]:
+        """The ``image_url.url`` of each image part."""
+        if isinstance(self.content, str):
+            return []
+        return [p.image_url.get("url") for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatRequest(Sampling):
@@ -155,6 +162,8 @@ class ChatRequest(Sampling):
     def new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def rendered_messages(self) -> List[dict]:
-        """{role, content} strings for the chat template (``developer`` is OpenAI's new ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def rendered_messages(self, image: Optional[str] = None) -> List[dict]:
+        """{role, content} strings for the chat template (``developer`` is OpenAI's new ``system``);
+        image parts become ``image`` (None: refused, the model is text-only)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(image)}
+                for m in self.messages]

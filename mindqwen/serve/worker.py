@@ -39,6 +39,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     echo: str = ""  # text the answer starts with (completions' ``echo``: the prompt)
+    image: Optional[object] = None  # a multimodal model's pixel values for this prompt
 
     def put(self, event) -> None:
         """From the worker thread: hand ``event`` to the request's event loop."""
@@ -112,7 +113,8 @@ class BatchWorker:
 
     def _join(self, jobs: List[Job]) -> None:
         try:
-            self.batch.join([j.prompt for j in jobs], [j.config for j in jobs], jobs, self._on_token)
+            self.batch.join([j.prompt for j in jobs], [j.config for j in jobs], jobs, self._on_token,
+                            [j.image for j in jobs])
         except Exception as e:  # noqa: BLE001 - a failed prefill must not end the worker
             log.exception("prefill failed for %d request(s)", len(jobs))
             if len(jobs) > 1:  # find the request that fails; the others join

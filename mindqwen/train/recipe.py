@@ -216,6 +216,8 @@ class ServeSection:
         max_body_bytes: larger request bodies get HTTP 413.
         keep_alive_s: idle keep-alive connections close after this many seconds.
         log_prompts: write prompt text into the request log (off: sizes and status only).
+        local_images: a multimodal model's chat requests may name image files on the server's
+            machine (``image_url`` a path or ``file://``); data URLs are always accepted.
     """
 
     host: str = "127.0.0.1"
@@ -227,6 +229,7 @@ class ServeSection:
     max_body_bytes: int = 1048576
     keep_alive_s: float = 5.0
     log_prompts: bool = False
+    local_images: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_batch_size, self.max_queue, self.max_prompt_tokens, self.max_connections,
