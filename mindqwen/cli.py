@@ -34,9 +34,13 @@ def cmd_train(argv: List[str]) -> None:
     p = _parser(cmd_train, "mindqwen train recipes/demo/demo.yaml trainer.max_steps=100 lora.r=16")
     p.add_argument("recipe", help="recipe YAML, or a bundled recipe's name (`mindqwen recipes ls`)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--skip-bad", action="store_true", help="multimodal data: leave out bad records (counted) "
+                                                           "instead of stopping at the first (data.skip_bad=true)")
     args = p.parse_intermixed_args(argv)  # overrides may follow options
     from mindqwen.train.recipe import find_recipe, load_recipe
     from mindqwen.train.run import train_recipe
+    if args.skip_bad:
+        args.overrides.append("data.skip_bad=true")
     path = find_recipe(args.recipe)
     recipe = load_recipe(path, args.overrides)
     with open(path, encoding="utf-8-sig") as f:

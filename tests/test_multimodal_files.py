@@ -172,8 +172,13 @@ def test_a_recipe_trains_from_jsonl_files_through_mindqwen_train(frames, tokeniz
                 "multimodal.vision.num_hidden_layers=1", "model.config.num_hidden_layers=1", "multimodal.cross_layers=[0]",
                 "trainer.max_steps=2", "trainer.micro_batch_size=4", "trainer.warmup_steps=1",
                 "trainer.progress=false", "export.enabled=false", f"trainer.output_dir={tmp_path / 'out'}"]
-    assert main(["validate", "multimodal/shapes", *settings]) == 0
-    assert main(["train", "multimodal/shapes", *settings]) == 0
+    if frames == 1:  # a record whose image is gone: named by validate, left out with --skip-bad
+        with open(path, "a") as f:
+            f.write(json.dumps({"image": "img/gone.png", "caption": "a red square"}) + "\n")
+        assert main(["validate", "multimodal/shapes", *settings]) != 0
+        assert "train.jsonl:9: " in capsys.readouterr().err
+        assert main(["validate", "multimodal/shapes", *settings, "data.skip_bad=true"]) == 0
+    assert main(["train", "multimodal/shapes", *settings, "--skip-bad"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and all(np.isfinite(m["loss"]) for m in metrics)

@@ -120,7 +120,7 @@ def test_top_level_generate_takes_pixel_values_and_bad_images_are_refused():
         Generator(model.lm).run([[20, 21]], GenerationConfig(max_new_tokens=1), images=[images[0]])
 
 
-@pytest.mark.parametrize("frames", [1, 4])
+@pytest.mark.parametrize("frames", [4])  # images: the shapes demo test checks its export's image parity
 def test_the_image_export_reproduces_the_eager_model_in_a_process_without_mindqwen(frames, tmp_path):
     """image/ of a fused model with trained LoRA: its runner, in a fresh process that never imports
     mindqwen, generates for a left-padded batch with one image per row; every step's logits
