@@ -13,7 +13,6 @@ cache length) bucket: rows are a power of two, the length a ``cache_length`` buc
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import numpy as np
 from mindspore import Tensor, ops
 from tqdm import tqdm
 
+from mindqwen.models.graph import in_mode
 from mindqwen.models.kv_cache import CachedStep, CacheLayout, ImageCachedStep, ImageKeysValues, model_dtype
 
 CACHE_BLOCK = 64
@@ -536,15 +536,9 @@ class Generator:
                 raise row.error
         return [row.result() for row in rows]
 
-    @contextlib.contextmanager
     def graph_mode(self):
         """The step graphs compile whatever mode the caller is in; the caller's mode comes back."""
-        mode = ms.get_context("mode")
-        ms.set_context(mode=ms.GRAPH_MODE)
-        try:
-            yield
-        finally:
-            ms.set_context(mode=mode)
+        return in_mode(ms.GRAPH_MODE)
 
 
 def _dynamic_prefill_inputs(dtype, multimodal: bool = False) -> tuple:

@@ -11,12 +11,17 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN = 0.5  # absolute exact-match gain on the 120 held-out questions
+# ``python -m mindqwen``, with the op threads conftest gives a worker under ``-n 2`` (the other
+# worker runs beside it: two op threads here would oversubscribe the two cores).
+MAIN = ("import os, runpy, mindqwen, mindspore as ms\n"
+        "if os.environ.get('PYTEST_XDIST_WORKER'): ms.device_context.cpu.op_tuning.threads_num(1)\n"
+        "runpy.run_module('mindqwen', run_name='__main__', alter_sys=True)")
 
 
 @pytest.mark.slow
 def test_demo_recipe_learns_and_writes_every_output(tmp_path):
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "mindqwen", "train", os.path.join(ROOT, "recipes", "demo", "demo.yaml"),
+    r = subprocess.run([sys.executable, "-c", MAIN, "train", os.path.join(ROOT, "recipes", "demo", "demo.yaml"),
                         f"trainer.output_dir={out}", "trainer.progress=false"],
                        capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"}, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -27,13 +27,15 @@ from typing import Dict, List, Optional, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, nn
 
 from mindqwen.config import QwenConfig
 from mindqwen.export import lite
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.hf import no_init_parameters
+from mindqwen.io.jsonfile import write_json
 from mindqwen.lora import lora_layers
+from mindqwen.models.graph import in_mode
 from mindqwen.models.kv_cache import INPUT_NAMES, OUTPUT_NAMES, CachedStep, CacheLayout
 from mindqwen.models.qwen import QwenForCausalLM
 
@@ -107,14 +109,16 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
         RuntimeError: the exported graphs disagree with the eager model.
     """
     buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
-    _check(model, batch_sizes, max_seq_len, buckets, dtype)
-    lite.check_target(target, precision_mode)
-    for path in tokenizer_files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: tokenizer file not found")
+    check_export(model, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode, tokenizer_files)
     with atomic_folder(folder) as staging:
-        manifest = _write(model, staging, list(batch_sizes), max_seq_len, buckets, dtype, target,
-                          precision_mode, tokenizer_files, generation or {})
+        plain = deploy_copy(model, dtype)
+        graphs = graph_specs(plain.config, max_seq_len, dtype)
+        for name, graph in graphs.items():
+            ms.export(CachedStep(plain), *placeholders(graph["inputs"]), file_name=os.path.join(staging, name),
+                      file_format="MINDIR")
+        del plain
+        manifest = write_manifest(staging, model.config, graphs, dtype, max_seq_len, list(batch_sizes), buckets,
+                                  target, precision_mode, tokenizer_files, generation)
         if parity:
             report = check_parity(model, staging, manifest)
             if not report["passed"]:
@@ -122,7 +126,10 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
     return manifest
 
 
-def _check(model, batch_sizes, max_seq_len, buckets, dtype) -> None:
+def check_export(model: nn.Cell, batch_sizes: Sequence[int], max_seq_len: int, buckets: List[int], dtype: str,
+                 target: str, precision_mode: Optional[str], tokenizer_files: Sequence[str]) -> None:
+    """Every argument of an export checked before anything is written: ``ValueError`` naming it
+    (``FileNotFoundError`` for a tokenizer file)."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
@@ -135,18 +142,19 @@ def _check(model, batch_sizes, max_seq_len, buckets, dtype) -> None:
     if len(batch_sizes) * len(buckets) > lite.MAX_GEARS:
         raise ValueError(f"{len(batch_sizes)} batch sizes × {len(buckets)} buckets exceed the "
                          f"{lite.MAX_GEARS} gears converter_lite accepts")
+    lite.check_target(target, precision_mode)
+    for path in tokenizer_files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: tokenizer file not found")
 
 
-def _write(model, folder, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode,
-           tokenizer_files, generation) -> dict:
-    plain = deploy_copy(model, dtype)
-    graphs = graph_specs(plain.config, max_seq_len, dtype)
-    for name, graph in graphs.items():
-        ms.export(CachedStep(plain), *placeholders(graph["inputs"]), file_name=os.path.join(folder, name),
-                  file_format="MINDIR")
-    del plain
-    tokenizer = copy_tokenizer(tokenizer_files, folder)
-    c = model.config
+def write_manifest(folder: str, config: QwenConfig, graphs: Dict[str, dict], dtype: str, max_seq_len: int,
+                   batch_sizes: List[int], buckets: List[int], target: str, precision_mode: Optional[str],
+                   tokenizer_files: Sequence[str] = (), generation: Optional[dict] = None,
+                   image: Optional[dict] = None) -> dict:
+    """Beside the graphs in ``folder``: manifest.json, the runner, lite/ and tokenizer/; returns
+    the manifest. ``image``: how an image-conditioned export takes its image."""
+    c = config
     manifest = {
         "format": "mindqwen-export/1",
         "model": {k: getattr(c, k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -155,13 +163,14 @@ def _write(model, folder, batch_sizes, max_seq_len, buckets, dtype, target, prec
         "cache": {"layout": "layers, batch, kv_heads, slot, head_dim", "dtype": dtype,
                   "shape": [c.num_hidden_layers, -1, c.num_key_value_heads, max_seq_len, c.head_dim],
                   "padding": "left: the prompt fills slots 0..S-1, decode step i writes slot S+i"},
-        "graphs": graphs, "tokenizer": tokenizer,
-        "generation": {"eos_token_id": c.eos_token_id, **generation},
+        "graphs": graphs, "tokenizer": copy_tokenizer(tokenizer_files, folder),
+        "generation": {"eos_token_id": c.eos_token_id, **(generation or {})},
     }
+    if image is not None:
+        manifest["image"] = image
     manifest["lite"] = lite.write_configs(manifest, folder, target, precision_mode)
     shutil.copy(RUNNER, os.path.join(folder, "run_exported.py"))
-    with open(os.path.join(folder, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    write_json(os.path.join(folder, "manifest.json"), manifest)
     return manifest
 
 
@@ -177,33 +186,54 @@ def copy_tokenizer(files: Sequence[str], folder: str) -> Optional[dict]:
 
 
 def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens: int = 6) -> dict:
-    """Greedy generation through the exported graphs in a fresh process (no mindqwen import),
-    compared with (1) the same prefill/decode steps run eagerly (PyNative) on the exported
-    weights, and (2) the full forward without a cache of ``model`` with LoRA merged, in fp32.
-    Writes and returns ``parity.json``."""
+    """The LM export's parity report (``parity_report``): the eager steps run on the exported
+    weights; the full forward is ``model`` with LoRA merged in fp32 and, for a LoRA model,
+    ``model`` itself (``unmerged_lora``)."""
+    prompts = parity_prompts(manifest, new_tokens, model.config.vocab_size)
+    step = CachedStep(deploy_copy(model, manifest["dtype"]))
+    forwards = {"full_recompute": deploy_copy(model, "float32")}
+    if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
+        forwards["unmerged_lora"] = model
+    return parity_report(folder, manifest, {"prefill": step, "decode": step}, forwards, prompts, new_tokens)
+
+
+def parity_prompts(manifest: dict, new_tokens: int, vocab_size: int, shortest: int = 1) -> List[List[int]]:
+    """Random prompts for the largest batch, each row 3 tokens shorter than the one before:
+    left padding on every row but the first."""
     rng = np.random.default_rng(0)
-    b = max(manifest["batch_sizes"])
     longest = min(manifest["seq_buckets"][0], manifest["max_seq_len"] - new_tokens)
-    lengths = [max(1, longest - 3 * i) for i in range(b)]  # left padding on every row but the first
-    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in lengths]
-    tokens, logits = run_exported_process(folder, prompts, new_tokens)
+    return [rng.integers(0, vocab_size, max(shortest, longest - 3 * i)).tolist()
+            for i in range(max(manifest["batch_sizes"]))]
+
+
+def parity_report(folder: str, manifest: dict, steps: Dict[str, nn.Cell], forwards: Dict[str, nn.Cell],
+                  prompts: List[List[int]], new_tokens: int, pixels: Optional[np.ndarray] = None) -> dict:
+    """Greedy generation through the exported graphs in a fresh process (no mindqwen import),
+    compared with (1) the same steps run eagerly (PyNative): ``steps`` maps each graph of the
+    manifest to its Cell; and (2) each of ``forwards``, a model's full forward without a cache
+    over every prefix the graphs saw (``forwards["full_recompute"]`` must agree within
+    ``FULL_TOLERANCE`` for an fp32 export to pass). ``pixels``: one image per prompt, for an
+    image-conditioned export. Writes and returns ``parity.json``."""
+    from mindqwen.export import run_exported
+    tokens, logits = run_exported_process(folder, prompts, new_tokens, pixels)
+    with in_mode(ms.PYNATIVE_MODE):
+        eager_tokens, eager_logits = run_exported.generate(
+            lambda name, arrays: [o.asnumpy() for o in steps[name](*map(Tensor, arrays))], manifest, prompts,
+            new_tokens, pixels)
+        compared = {name: _compare(net, prompts, pixels, tokens, logits) for name, net in forwards.items()}
     dtype = manifest["dtype"]
-    eager_tokens, eager_logits = _eager_steps(deploy_copy(model, dtype), manifest, prompts, new_tokens)
     eager = {"tokens_identical": bool(np.array_equal(eager_tokens, tokens)),
              "max_abs_logit_diff": float(np.abs(eager_logits - logits).max()) if eager_logits.shape == logits.shape
              else float("inf")}
+    full = compared["full_recompute"]
+    report = {"eager_same_steps": eager, **compared, "tokens": tokens.tolist(),
+              "tolerance": PARITY_TOLERANCE[dtype], "full_tolerance": FULL_TOLERANCE, "batch_size": len(prompts),
+              "prompt_lengths": [len(p) for p in prompts], "new_tokens": new_tokens, "dtype": dtype}
     # Without a cache the sums run in another order: ~1e-5 on logits of |x| ≈ 10 is fp32 noise.
-    full = _compare(deploy_copy(model, "float32"), prompts, tokens, logits)
-    report = {"eager_same_steps": eager, "full_recompute": full, "tokens": tokens.tolist(),
-              "tolerance": PARITY_TOLERANCE[dtype], "batch_size": b, "prompt_lengths": lengths,
-              "new_tokens": new_tokens, "dtype": dtype}
-    if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
-        report["unmerged_lora"] = _compare(model, prompts, tokens, logits)
     report["passed"] = bool(eager["tokens_identical"] and eager["max_abs_logit_diff"] <= report["tolerance"]
                             and (dtype != "float32" or (full["tokens_identical"]
                                                         and full["max_abs_logit_diff"] <= FULL_TOLERANCE)))
-    with open(os.path.join(folder, "parity.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(folder, "parity.json"), report)
     return report
 
 
@@ -230,35 +260,19 @@ def run_exported_process(folder: str, prompts: List[List[int]], new_tokens: int,
         return out["tokens"], out["logits"]
 
 
-def _eager_steps(plain: QwenForCausalLM, manifest: dict, prompts, new_tokens: int):
-    """The runner's prefill/decode loop with the step Cell run eagerly (PyNative)."""
-    from mindqwen.export import run_exported
-    step = CachedStep(plain)
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    try:
-        return run_exported.generate(lambda _name, arrays: [o.asnumpy() for o in step(*map(Tensor, arrays))],
-                                     manifest, prompts, new_tokens)
-    finally:
-        ms.set_context(mode=mode)
-
-
-def _compare(model, prompts, tokens, logits) -> Dict[str, object]:
-    """The model's full forward (no cache, PyNative) over each prefix the exported graphs saw."""
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
+def _compare(model: nn.Cell, prompts, pixels, tokens, logits) -> Dict[str, object]:
+    """``model``'s full forward, no cache (``pixels`` passed after the ids for a fused
+    multimodal model), over each prefix the exported graphs saw."""
     model.set_train(False)
     s = max(len(p) for p in prompts)
+    image = () if pixels is None else (Tensor(pixels[:len(prompts)]),)
     diff, same = 0.0, True
-    try:
-        for i in range(tokens.shape[1]):
-            ids = np.zeros((len(prompts), s + i), np.int32)
-            mask = np.zeros_like(ids)
-            for r, p in enumerate(prompts):
-                ids[r, s - len(p):], mask[r, s - len(p):] = list(p) + tokens[r, :i].tolist(), 1
-            eager = model(Tensor(ids), Tensor(mask)).asnumpy()[:, -1].astype(np.float32)
-            diff = max(diff, float(np.abs(eager - logits[i]).max()))
-            same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
-    finally:
-        ms.set_context(mode=mode)
+    for i in range(tokens.shape[1]):
+        ids = np.zeros((len(prompts), s + i), np.int32)
+        mask = np.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, s - len(p):], mask[r, s - len(p):] = list(p) + tokens[r, :i].tolist(), 1
+        eager = model(Tensor(ids), *image, Tensor(mask)).asnumpy()[:, -1].astype(np.float32)
+        diff = max(diff, float(np.abs(eager - logits[i]).max()))
+        same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
     return {"tokens_identical": same, "max_abs_logit_diff": diff}

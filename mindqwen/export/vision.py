@@ -19,16 +19,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Optional, Sequence
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from mindqwen.export import lite
-from mindqwen.export.mindir import (FULL_TOLERANCE, PARITY_TOLERANCE, RUNNER, copy_tokenizer, export_model,
-                                   graph_specs, placeholders, run_exported_process)
+from mindqwen.export.mindir import (check_export, default_buckets, export_model, graph_specs, parity_prompts,
+                                   parity_report, placeholders, write_manifest)
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import read_json, write_json
@@ -175,92 +173,39 @@ def export_image_graphs(model: MultimodalQwen, folder: str, batch_sizes: Sequenc
     and check it in a fresh process; returns the parity report.
 
     Raises:
+        ValueError: bad sizes or target (before anything is written).
         RuntimeError: the exported graphs disagree with the eager model.
     """
-    from mindqwen.export.mindir import default_buckets
+    buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
+    check_export(model, batch_sizes, max_seq_len, buckets, "float32", target, precision_mode, tokenizer_files)
     plain = plain_fused(model)
     graphs = image_graph_specs(plain, max_seq_len)
-    buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
     os.makedirs(folder)
-    ms.export(ImageKeysValues(plain), *placeholders(graphs["image_kv"]["inputs"]),
-              file_name=os.path.join(folder, "image_kv"), file_format="MINDIR")
-    for name in ("prefill", "decode"):
-        ms.export(ImageCachedStep(plain), *placeholders(graphs[name]["inputs"]), file_name=os.path.join(folder, name),
+    steps = {"image_kv": ImageKeysValues(plain), "prefill": ImageCachedStep(plain), "decode": ImageCachedStep(plain)}
+    for name, step in steps.items():
+        ms.export(step, *placeholders(graphs[name]["inputs"]), file_name=os.path.join(folder, name),
                   file_format="MINDIR")
-    c, v = model.config, model.vision_config
-    manifest = {
-        "format": "mindqwen-export/1",
-        "model": {k: getattr(c, k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                             "num_attention_heads", "num_key_value_heads", "head_dim")},
-        "dtype": "float32", "max_seq_len": max_seq_len, "batch_sizes": list(batch_sizes), "seq_buckets": buckets,
-        "cache": {"layout": "layers, batch, kv_heads, slot, head_dim", "dtype": "float32",
-                  "shape": [c.num_hidden_layers, -1, c.num_key_value_heads, max_seq_len, c.head_dim],
-                  "padding": "left: the prompt fills slots 0..S-1, decode step i writes slot S+i"},
-        "graphs": graphs, "tokenizer": copy_tokenizer(tokenizer_files, folder),
-        "generation": {"eos_token_id": c.eos_token_id},
-        "image": {"token_id": model.image_token_id, "cross_layers": list(model.cross_layers),
-                  "pixel_shape": pixel_shape(v), "transforms": transforms(v)},
-    }
-    manifest["lite"] = lite.write_configs(manifest, folder, target, precision_mode)
-    shutil.copy(RUNNER, os.path.join(folder, "run_exported.py"))
-    write_json(os.path.join(folder, "manifest.json"), manifest)
-    report = image_parity(model, plain, folder, manifest)
+    v = model.vision_config
+    image = {"token_id": model.image_token_id, "cross_layers": list(model.cross_layers),
+             "pixel_shape": pixel_shape(v), "transforms": transforms(v)}
+    manifest = write_manifest(folder, model.config, graphs, "float32", max_seq_len, list(batch_sizes), buckets,
+                              target, precision_mode, tokenizer_files, image=image)
+    report = image_parity(model, plain, steps, folder, manifest)
     if not report["passed"]:
         raise RuntimeError(f"exported image-conditioned graphs disagree with the eager model: {report}")
     return report
 
 
-def image_parity(model: MultimodalQwen, plain: MultimodalQwen, folder: str, manifest: dict, new_tokens: int = 6) -> dict:
-    """Greedy generation through the exported graphs in a fresh process (no mindqwen import) on a
-    left-padded batch, each row with its own image, against (1) the same steps run eagerly on
-    the exported weights and (2) the full forward of the fused model (LoRA merged) without a
-    cache. Writes and returns ``parity.json``."""
-    from mindqwen.export import run_exported
-    rng = np.random.default_rng(0)
-    b = max(manifest["batch_sizes"])
-    longest = min(manifest["seq_buckets"][0], manifest["max_seq_len"] - new_tokens)
-    lengths = [max(2, longest - 3 * i) for i in range(b)]  # left padding on every row but the first
-    prompts = [rng.integers(0, model.image_token_id, n).tolist() for n in lengths]
+def image_parity(model: MultimodalQwen, plain: MultimodalQwen, steps: dict, folder: str, manifest: dict,
+                 new_tokens: int = 6) -> dict:
+    """``parity_report`` on a left-padded batch, each row with its own image between text: the
+    eager steps run on the exported weights (``plain``, with its ``steps``); the full forward is
+    ``plain`` and, for a LoRA model, the model as trained (``unmerged_lora``)."""
+    prompts = parity_prompts(manifest, new_tokens, model.image_token_id, shortest=2)
     for p in prompts:
         p[len(p) // 2] = model.image_token_id  # text before and after the image
-    pixels = rng.normal(0, 1, [b] + pixel_shape(model.vision_config)[1:]).astype(np.float32)
-    tokens, logits = run_exported_process(folder, prompts, new_tokens, pixels)
-    mode = ms.get_context("mode")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    try:
-        steps = {"image_kv": ImageKeysValues(plain), "prefill": ImageCachedStep(plain), "decode": ImageCachedStep(plain)}
-        eager_tokens, eager_logits = run_exported.generate(
-            lambda name, arrays: [o.asnumpy() for o in steps[name](*map(Tensor, arrays))], manifest, prompts,
-            new_tokens, pixels)
-        full = _full_forward(plain, prompts, pixels, tokens, logits)
-        # the model as trained: W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
-        unmerged = _full_forward(model, prompts, pixels, tokens, logits) if lora_layers(model) else None
-    finally:
-        ms.set_context(mode=mode)
-    eager = {"tokens_identical": bool(np.array_equal(eager_tokens, tokens)),
-             "max_abs_logit_diff": float(np.abs(eager_logits - logits).max()) if eager_logits.shape == logits.shape
-             else float("inf")}
-    report = {"eager_same_steps": eager, "full_recompute": full, "tokens": tokens.tolist(),
-              "tolerance": PARITY_TOLERANCE["float32"], "full_tolerance": FULL_TOLERANCE, "batch_size": b,
-              "prompt_lengths": lengths, "new_tokens": new_tokens}
-    if unmerged is not None:
-        report["unmerged_lora"] = unmerged
-    report["passed"] = bool(eager["tokens_identical"] and eager["max_abs_logit_diff"] <= report["tolerance"]
-                            and full["tokens_identical"] and full["max_abs_logit_diff"] <= FULL_TOLERANCE)
-    write_json(os.path.join(folder, "parity.json"), report)
-    return report
-
-
-def _full_forward(model: MultimodalQwen, prompts, pixels, tokens, logits) -> dict:
-    """The fused model's forward without a cache over each prefix the exported graphs saw."""
-    s = max(len(p) for p in prompts)
-    diff, same = 0.0, True
-    for i in range(tokens.shape[1]):
-        ids = np.zeros((len(prompts), s + i), np.int32)
-        mask = np.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, s - len(p):], mask[r, s - len(p):] = list(p) + tokens[r, :i].tolist(), 1
-        eager = model(Tensor(ids), Tensor(pixels[:len(prompts)]), Tensor(mask)).asnumpy()[:, -1]
-        diff = max(diff, float(np.abs(eager - logits[i]).max()))
-        same = same and bool((eager.argmax(-1) == tokens[:, i]).all())
-    return {"tokens_identical": same, "max_abs_logit_diff": diff}
+    pixels = np.random.default_rng(1).normal(0, 1, [len(prompts)] + pixel_shape(model.vision_config)[1:])
+    forwards = {"full_recompute": plain}
+    if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
+        forwards["unmerged_lora"] = model
+    return parity_report(folder, manifest, steps, forwards, prompts, new_tokens, pixels.astype(np.float32))

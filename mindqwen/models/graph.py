@@ -1,7 +1,23 @@
-"""Keeping MindSpore's compiled-graph cache honest after a Cell tree changes."""
+"""Compiled graphs: keeping MindSpore's cache honest after a Cell tree changes, and running a
+block in a given execution mode."""
+import contextlib
 import time
+from typing import Iterator
 
+import mindspore as ms
 from mindspore import nn
+
+
+@contextlib.contextmanager
+def in_mode(mode: int) -> Iterator[None]:
+    """Run the block in ``mode`` (``ms.GRAPH_MODE`` / ``ms.PYNATIVE_MODE``); the caller's mode
+    comes back, whatever the block raises."""
+    previous = ms.get_context("mode")
+    ms.set_context(mode=mode)
+    try:
+        yield
+    finally:
+        ms.set_context(mode=previous)
 
 
 def invalidate_compiled_graphs(model: nn.Cell) -> None:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from mindqwen.data.loader import BatchLoader, TokenDataset
 from mindqwen.lora import save_adapter
+from mindqwen.models.graph import in_mode
 from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.train import checkpoint
 from mindqwen.train.compile_cache import compile_cache, graph_key
@@ -50,19 +51,15 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
     Raises:
         TrainingDiverged: see ``divergence`` (docs/training.md, "Divergence").
     """
-    mode = ms.get_context("mode")
-    try:
-        pipeline = parallel is not None and parallel.pipeline_parallel > 1
+    pipeline = parallel is not None and parallel.pipeline_parallel > 1
+    with in_mode(ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE):
         return _fit(model, train_data, config, eval_data, recipe_text, parallel,
                     loss_net or CausalLMLoss(model, report=not pipeline))
-    finally:
-        ms.set_context(mode=mode)
 
 
 def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_data: Optional[TokenDataset],
          recipe_text: Optional[str], parallel: Optional[ParallelConfig], loss_net: nn.Cell) -> dict:
-    # 1. set-up: mode, seed, ranks, precision, recompute, optimizer, step Cells
-    ms.set_context(mode=ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE)
+    # 1. set-up: seed, ranks, precision, recompute, optimizer, step Cells (``fit`` set the mode)
     ms.set_seed(config.seed)
     parallel = parallel or ParallelConfig()
     rank, world = init_parallel(parallel)
