@@ -190,8 +190,9 @@ def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens
     weights; the full forward is ``model`` with LoRA merged in fp32 and, for a LoRA model,
     ``model`` itself (``unmerged_lora``)."""
     prompts = parity_prompts(manifest, new_tokens, model.config.vocab_size)
-    step = CachedStep(deploy_copy(model, manifest["dtype"]))
-    forwards = {"full_recompute": deploy_copy(model, "float32")}
+    full = deploy_copy(model, "float32")
+    step = CachedStep(full if manifest["dtype"] == "float32" else deploy_copy(model, manifest["dtype"]))
+    forwards = {"full_recompute": full}
     if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
         forwards["unmerged_lora"] = model
     return parity_report(folder, manifest, {"prefill": step, "decode": step}, forwards, prompts, new_tokens)
