@@ -317,9 +317,13 @@ def test_vision_gradients_in_fused_graph_mode_equal_pynative(policy):
             grads[m] = [g.asnumpy() for g in ms.value_and_grad(Loss(encoder), None, params)(pixels)[1]]
     finally:
         ms.set_context(mode=mode)
+    # The floor is relative to the largest gradient of the model: a key bias's gradient is 0 in exact
+    # arithmetic (it adds q·b to a whole row of scores, which softmax cancels), so both modes give
+    # rounding noise of ~1e-9 there, and the noise of either is not a scale for the other.
+    floor = 1e-7 * max(float(np.abs(g).max()) for g in grads[ms.PYNATIVE_MODE])
     for p, eager, graph in zip(params, grads[ms.PYNATIVE_MODE], grads[ms.GRAPH_MODE]):
-        scale = max(float(np.abs(eager).max()), 1e-12)
-        assert float(np.abs(graph - eager).max()) <= 1e-4 * scale + 1e-9, (p.name, np.abs(eager).max(), np.abs(graph).max())
+        scale = float(np.abs(eager).max())
+        assert float(np.abs(graph - eager).max()) <= 1e-4 * scale + floor, (p.name, scale, np.abs(graph).max(), floor)
 
 
 SMALL_SHAPES = ["multimodal.shapes.train_images=64", "multimodal.shapes.eval_images=16", "multimodal.text_steps=2",
@@ -335,8 +339,8 @@ def test_shapes_demo_learns_to_caption_and_exports(tmp_path):
     from mindqwen.train.recipe import load_recipe
     from mindqwen.train.run import train_recipe
     summary = train_recipe(load_recipe("multimodal/shapes", [
-        "multimodal.shapes.train_images=2000", "multimodal.text_steps=200", "multimodal.vision_steps=800",
-        "trainer.max_steps=400", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]))
+        "multimodal.shapes.train_images=2000", "multimodal.text_steps=150", "multimodal.vision_steps=400",
+        "trainer.max_steps=300", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]))
     before, after = summary["caption_exact_match_before"], summary["caption_exact_match_after"]
     assert before < 0.1 and after >= before + 0.30, (before, after)
     export = summary["export"]

@@ -203,3 +203,36 @@ def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
         assert status == 400 and "local image paths are off" in body
     finally:
         server.shutdown()
+
+
+def test_the_server_decodes_images_off_the_event_loop(tmp_path):
+    """While one request's image is being read, the server still answers others: the image is
+    decoded on an executor thread, not on the event loop."""
+    import http.client
+    import threading
+    from PIL import Image
+    from mindqwen.data.tokenizer import ByteTokenizer
+    from mindqwen.serve import Server
+    from test_serve import _post
+    _, model = _model()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "x.png")
+    server = Server(Generator(model, ByteTokenizer()), port=0, defaults=GenerationConfig(max_new_tokens=2)).start()
+    reading, release, read = threading.Event(), threading.Event(), server.read_image
+    server.read_image = lambda url: (reading.set(), release.wait(60), read(url))[-1]
+    try:
+        answer = []
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": str(tmp_path / "x.png")}}]}], "max_tokens": 2}
+        chat = threading.Thread(target=lambda: answer.append(_post(server, "/v1/chat/completions", body)))
+        chat.start()
+        assert reading.wait(60)
+        conn = http.client.HTTPConnection(*server.address, timeout=10)  # a loop held by the image times out
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        release.set()
+        chat.join(120)
+        assert answer and answer[0][0] == 200, answer
+    finally:
+        release.set()
+        server.shutdown()

@@ -357,7 +357,13 @@ def build_app(server: Server) -> "FastAPI":
         return await answer(request, checked(ChatRequest, await read_json(request, server.max_body)))
 
     async def answer(http: Request, req):
-        jobs = server.jobs(req, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if isinstance(req, ChatRequest) and any(m.image_urls() for m in req.messages):
+            # Decoding and resizing an image takes milliseconds to seconds: off the event loop, so
+            # streams of other requests keep flowing meanwhile.
+            jobs = await loop.run_in_executor(None, server.jobs, req, loop)
+        else:
+            jobs = server.jobs(req, loop)
         if server.log_prompts:
             log.info("prompt: %r", [server.tokenizer.decode(j.prompt) for j in jobs])
         try:
