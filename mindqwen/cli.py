@@ -206,7 +206,8 @@ def cmd_export(argv: List[str]) -> None:
                             args.dtype or "float32", args.target, args.precision_mode, args.tokenizer)
     with open(os.path.join(args.output, "parity.json"), encoding="utf-8") as f:
         parity = json.load(f)
-    print(f"wrote {args.output}: prefill.mindir, decode.mindir, manifest.json, lite/ ({args.target})")
+    files = ", ".join(g["file"] for g in manifest["graphs"].values())
+    print(f"wrote {args.output}: {files}, manifest.json, lite/ ({args.target})")
     same, full = parity["eager_same_steps"], parity["full_recompute"]
     print(f"parity ({parity['new_tokens']} greedy steps, batch {parity['batch_size']}, fresh process): "
           f"vs eager steps max |Δlogit| = {same['max_abs_logit_diff']:.1e}, vs full recompute "

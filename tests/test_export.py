@@ -120,7 +120,7 @@ def test_failed_export_leaves_nothing_and_keeps_the_old_export(qwen2_lora_export
     model = from_pretrained(fixture_path("qwen2_tiny", "base"))
     before = sorted(os.listdir(os.path.dirname(qwen2_lora_export)))
 
-    def broken_parity(*_):
+    def broken_parity(*_, **__):
         raise RuntimeError("parity failed")
     monkeypatch.setattr(mindir, "check_parity", broken_parity)  # fails after the graphs are staged
     with pytest.raises(RuntimeError, match="parity failed"):
@@ -138,3 +138,21 @@ def test_failed_export_leaves_nothing_and_keeps_the_old_export(qwen2_lora_export
         with pytest.raises(ValueError, match=message):
             export_model(model, str(tmp_path / "x"), **{"max_seq_len": 32, **kwargs})
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_an_export_above_mindspores_one_file_limit_names_the_files_it_wrote(tmp_path, monkeypatch):
+    """Above 1 GB of weights (Qwen2.5-0.5B in fp32, 1.5B in fp16) ``ms.export`` writes
+    ``<name>_graph.mindir`` and ``<name>_variables/``: the manifest, the converter commands and
+    the runner use those files, and the parity check passes on them. MindSpore's threshold is
+    lowered here so that the tiny model takes that path (2 GB of weights would take minutes)."""
+    import mindspore.train.serialization as serialization
+    monkeypatch.setattr(serialization, "TOTAL_SAVE", 0)  # KB of weights above which it splits
+    folder = tmp_path / "split"
+    manifest = export_model(from_pretrained(fixture_path("qwen2_tiny", "base")), str(folder), max_seq_len=32,
+                            seq_buckets=[16])
+    assert {name: g["file"] for name, g in manifest["graphs"].items()} == {
+        "prefill": "prefill_graph.mindir", "decode": "decode_graph.mindir"}
+    for name in ("prefill", "decode"):
+        assert (folder / f"{name}_graph.mindir").is_file() and os.listdir(folder / f"{name}_variables")
+        assert f"--modelFile={name}_graph.mindir" in (folder / "lite" / "convert.sh").read_text()
+    assert json.loads((folder / "parity.json").read_text())["passed"]

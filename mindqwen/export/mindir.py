@@ -4,6 +4,8 @@ the ``converter_lite`` configs, a stand-alone runner and a parity report.
     folder/
       prefill.mindir     (B, S) prompt, dynamic batch and sequence (converter gears per bucket)
       decode.mindir      (B, 1) next token, dynamic batch
+                         (above 1 GB of weights MindSpore writes <name>_graph.mindir and the
+                         weights in <name>_variables/; the manifest names the file written)
       manifest.json      inputs, shapes (-1 = dynamic), dtypes, cache layout, tokenizer, generation
       run_exported.py    greedy generation through the graphs: MindSpore (GraphCell) or Lite
       lite/              converter_lite configs + convert.sh for the target (Ascend 310 …)
@@ -88,6 +90,17 @@ def graph_specs(config: QwenConfig, max_seq_len: int, dtype: str) -> Dict[str, d
                    "outputs": outputs} for name, seq_len in (("prefill", None), ("decode", 1))}
 
 
+def export_mindir(cell: nn.Cell, inputs: List[Tensor], folder: str, name: str) -> str:
+    """``ms.export`` ``cell`` as ``folder``/``name``; returns the graph file it wrote:
+    ``name.mindir``, or, above 1 GB of weights, ``name_graph.mindir`` with the weights in
+    ``name_variables/`` beside it (``ms.load`` and converter_lite read them from there)."""
+    ms.export(cell, *inputs, file_name=os.path.join(folder, name), file_format="MINDIR")
+    for file in (f"{name}.mindir", f"{name}_graph.mindir"):
+        if os.path.isfile(os.path.join(folder, file)):
+            return file
+    raise RuntimeError(f"ms.export wrote neither {name}.mindir nor {name}_graph.mindir in {folder}")
+
+
 def placeholders(inputs: List[dict]) -> List[Tensor]:
     return [Tensor(shape=[None if d < 0 else d for d in i["shape"]], dtype=getattr(ms, i["dtype"]))
             for i in inputs]
@@ -114,13 +127,11 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
         plain = deploy_copy(model, dtype)
         graphs = graph_specs(plain.config, max_seq_len, dtype)
         for name, graph in graphs.items():
-            ms.export(CachedStep(plain), *placeholders(graph["inputs"]), file_name=os.path.join(staging, name),
-                      file_format="MINDIR")
-        del plain
+            graph["file"] = export_mindir(CachedStep(plain), placeholders(graph["inputs"]), staging, name)
         manifest = write_manifest(staging, model.config, graphs, dtype, max_seq_len, list(batch_sizes), buckets,
                                   target, precision_mode, tokenizer_files, generation)
         if parity:
-            report = check_parity(model, staging, manifest)
+            report = check_parity(model, staging, manifest, exported=plain)
             if not report["passed"]:
                 raise RuntimeError(f"exported graphs disagree with the eager model: {json.dumps(report)}")
     return manifest
@@ -185,13 +196,17 @@ def copy_tokenizer(files: Sequence[str], folder: str) -> Optional[dict]:
     return {"files": names}
 
 
-def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens: int = 6) -> dict:
+def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens: int = 6,
+                 exported: Optional[QwenForCausalLM] = None) -> dict:
     """The LM export's parity report (``parity_report``): the eager steps run on the exported
     weights; the full forward is ``model`` with LoRA merged in fp32 and, for a LoRA model,
-    ``model`` itself (``unmerged_lora``)."""
+    ``model`` itself (``unmerged_lora``). ``exported``: the deploy copy the graphs were exported
+    from, if the caller still holds it (else it is built again)."""
     prompts = parity_prompts(manifest, new_tokens, model.config.vocab_size)
-    full = deploy_copy(model, "float32")
-    step = CachedStep(full if manifest["dtype"] == "float32" else deploy_copy(model, manifest["dtype"]))
+    if exported is None:
+        exported = deploy_copy(model, manifest["dtype"])
+    full = exported if manifest["dtype"] == "float32" else deploy_copy(model, "float32")
+    step = CachedStep(exported)
     forwards = {"full_recompute": full}
     if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
         forwards["unmerged_lora"] = model

@@ -25,8 +25,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from mindqwen.export.mindir import (check_export, default_buckets, export_model, graph_specs, parity_prompts,
-                                   parity_report, placeholders, write_manifest)
+from mindqwen.export.mindir import (check_export, default_buckets, export_mindir, export_model, graph_specs,
+                                   parity_prompts, parity_report, placeholders, write_manifest)
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import read_json, write_json
@@ -85,10 +85,9 @@ def export_vision(model, folder: str) -> dict:
     c = model.vision_config
     tower = plain_tower(model)
     shape = pixel_shape(c)
-    ms.export(tower, Tensor(shape=[None] + shape[1:], dtype=ms.float32), file_name=os.path.join(folder, "vision"),
-              file_format="MINDIR")
+    file = export_mindir(tower, [Tensor(shape=[None] + shape[1:], dtype=ms.float32)], folder, "vision")
     pixels = np.random.default_rng(0).normal(0, 1, [2] + shape[1:]).astype(np.float32)
-    graph = nn.GraphCell(ms.load(os.path.join(folder, "vision.mindir")))
+    graph = nn.GraphCell(ms.load(os.path.join(folder, file)))
     exported = graph(Tensor(pixels)).asnumpy()
     was = model.training
     model.set_train(False)
@@ -98,7 +97,7 @@ def export_vision(model, folder: str) -> dict:
     parity = {"vs_same_weights": float(np.abs(exported - same).max()),
               "vs_unmerged_model": float(np.abs(exported - eager).max()), "tolerance": VISION_TOLERANCE}
     parity["passed"] = parity["vs_unmerged_model"] <= VISION_TOLERANCE
-    info = {"inputs": [{"name": "pixel_values", "shape": shape, "dtype": "float32"}],
+    info = {"file": file, "inputs": [{"name": "pixel_values", "shape": shape, "dtype": "float32"}],
             "outputs": [{"name": "vision_tokens", "shape": [-1, exported.shape[1], exported.shape[2]],
                          "dtype": "float32"}],
             "transforms": transforms(c),
@@ -183,8 +182,7 @@ def export_image_graphs(model: MultimodalQwen, folder: str, batch_sizes: Sequenc
     os.makedirs(folder)
     steps = {"image_kv": ImageKeysValues(plain), "prefill": ImageCachedStep(plain), "decode": ImageCachedStep(plain)}
     for name, step in steps.items():
-        ms.export(step, *placeholders(graphs[name]["inputs"]), file_name=os.path.join(folder, name),
-                  file_format="MINDIR")
+        graphs[name]["file"] = export_mindir(step, placeholders(graphs[name]["inputs"]), folder, name)
     v = model.vision_config
     image = {"token_id": model.image_token_id, "cross_layers": list(model.cross_layers),
              "pixel_shape": pixel_shape(v), "transforms": transforms(v)}

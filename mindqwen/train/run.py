@@ -136,12 +136,13 @@ def export_recipe_model(model: QwenForCausalLM, recipe: Recipe, data: DataSectio
         del generation[derived]
     if tokenizer is not None:
         generation["eos_token_id"] = tokenizer.eos_token_id
-    export_model(model, folder, e.batch_sizes, e.max_seq_len, e.seq_buckets, e.dtype, e.soc_version,
-                 e.precision_mode, tokenizer_files=[data.tokenizer] if data.tokenizer else [],
-                 generation=generation)
+    manifest = export_model(model, folder, e.batch_sizes, e.max_seq_len, e.seq_buckets, e.dtype, e.soc_version,
+                            e.precision_mode, tokenizer_files=[data.tokenizer] if data.tokenizer else [],
+                            generation=generation)
     with open(os.path.join(folder, "parity.json"), encoding="utf-8") as f:
         parity = json.load(f)
-    print(f"exported {folder}: prefill.mindir + decode.mindir, lite/ configs for {e.soc_version}; "
+    files = " + ".join(g["file"] for g in manifest["graphs"].values())
+    print(f"exported {folder}: {files}, lite/ configs for {e.soc_version}; "
           f"exported graphs vs eager steps: max |Δlogit| = {parity['eager_same_steps']['max_abs_logit_diff']:.1e}, "
           f"vs full recompute {parity['full_recompute']['max_abs_logit_diff']:.1e}")
     return {"folder": folder, **{k: parity[k] for k in ("eager_same_steps", "full_recompute", "passed")}}
