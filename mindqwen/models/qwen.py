@@ -298,7 +298,7 @@ class SparseMoeBlock(nn.Cell):
     no token picked gets an exact zero gradient. Training with ``moe_capacity_factor`` f, expert
     e runs only on the C = ceil(f·N·k/E) tokens with the largest w[:, e], gathered, and its
     outputs are summed back per token: exact while no expert is picked by more than C tokens
-    (measured on CPU, forward and backward: 2.2× faster at 8 experts top-2, 3.0× at 64 top-8,
+    (measured on CPU, forward and backward: 1.9× faster at 8 experts top-2, 2.6× at 64 top-8,
     f = 1.25; docs/performance.md).
     """
 
