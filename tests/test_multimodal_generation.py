@@ -79,18 +79,22 @@ def test_cached_steps_equal_full_recomputation_on_a_left_padded_batch(frames):
 
 
 def test_generator_rows_with_images_without_and_joining_later_equal_full_recomputation():
-    """Greedy generation through ``SlotBatch``: two rows with their own images, a text-only row
-    (it generates what the LM alone generates), and a row that joins the running batch later
-    (its image keys/values move into the cache's row layout); each row's tokens equal the
-    greedy chain of full recomputation."""
+    """Greedy generation through ``SlotBatch``: a text-only row first (its prefill runs no ViT:
+    it generates what the LM alone generates), two rows with their own images joining it, and a
+    row that joins the running batch later (its image keys/values move into the cache's row
+    layout); each row's tokens equal the greedy chain of full recomputation."""
     lm, model = _model()
     images = _images(3, seed=1)
-    config = GenerationConfig(max_new_tokens=5)
+    config = GenerationConfig(max_new_tokens=6)
     gen = Generator(model)
+    vit_rows, image_step = [], gen.image_step
+    gen.image_step = lambda pixels: (vit_rows.append(pixels.shape[0]), image_step(pixels))[1]
     batch = SlotBatch(gen, 4)
     tokens = {}
     with gen.graph_mode():
-        batch.join(PROMPTS + [[90, 91, 92]], [config] * 3, ["a", "b", "text"], images=[images[0], images[1], None])
+        batch.join([[90, 91, 92]], [config], ["text"], images=[None])
+        batch.step()
+        batch.join(PROMPTS, [config] * 2, ["a", "b"], images=[images[0], images[1]])
         batch.step()
         batch.join([[33, IMAGE_TOKEN, 34, 35]], [config], ["late"], images=[images[2]])
         while batch.active:
@@ -100,7 +104,8 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
     for key, prompt, image in [("a", PROMPTS[0], images[0]), ("b", PROMPTS[1], images[1]),
                                ("late", [33, IMAGE_TOKEN, 34, 35], images[2])]:
         _assert_greedy(model, prompt, image, tokens[key])
-    assert tokens["text"] == generate(lm, [[90, 91, 92]], max_new_tokens=5)[0, 3:].tolist()
+    assert tokens["text"] == generate(lm, [[90, 91, 92]], max_new_tokens=6)[0, 3:].tolist()
+    assert vit_rows == [2, 1]  # the ViT ran for the joins that bring images, not for the text row
 
 
 def test_top_level_generate_takes_pixel_values_and_bad_images_are_refused():
