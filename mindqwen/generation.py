@@ -396,8 +396,7 @@ class SlotBatch:
         if self.gen.image_step is not None and any(r.image is not None for r in rows):
             images = tuple(self.gen.image_step(Tensor(np.stack([self.gen.pixels(r.image) for r in rows]))))
         elif self.gen.image_step is not None:  # no row sees an image: its keys/values are masked out
-            c, *per_row = self.gen.image_kv_shape
-            zeros = Tensor(np.zeros((c, len(rows), *per_row), np.float32), self.gen.dtype)
+            zeros = Tensor(np.zeros(self.gen.model.cross_kv_shape(len(rows)), np.float32), self.gen.dtype)
             images = (zeros, zeros)
         logits, k, v = self.gen.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
                                         layout.zeros(self.gen.dtype), layout.zeros(self.gen.dtype),
@@ -489,9 +488,6 @@ class Generator:
             v = model.vision_config
             self.pixel_shape = ((v.num_frames,) if v.num_frames > 1 else ()) + (v.num_channels, v.image_size,
                                                                                v.image_size)
-            block = model.cross_attn[0]
-            # one row's image keys or values without the row axis: (C, heads, Nv, D)
-            self.image_kv_shape = (len(model.cross_attn), block.heads, v.num_frames * v.num_patches, block.head_dim)
 
     def check_image(self, prompt: Sequence[int], image, key) -> Optional[np.ndarray]:
         """A row's image as float32 pixels, checked against the model and its prompt."""

@@ -147,10 +147,7 @@ def plain_fused(model: MultimodalQwen) -> MultimodalQwen:
 def image_graph_specs(model: MultimodalQwen, max_seq_len: int) -> dict:
     """The manifest's ``graphs`` of the image-conditioned export: the LM's step graphs with the
     image keys/values and the vision mask after the KV cache, and ``image_kv``."""
-    c, n = model.config, len(model.cross_layers)
-    tokens = model.vision_config.num_frames * model.vision_config.num_patches  # (B, T·N, D) from the ViT
-    heads = c.num_attention_heads
-    image = [n, -1, heads, tokens, c.hidden_size // heads]
+    c, image = model.config, model.cross_kv_shape(-1)
     graphs = graph_specs(c, max_seq_len, "float32")
     for name, graph in graphs.items():
         t = graph["inputs"][0]["shape"][1]

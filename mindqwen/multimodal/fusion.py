@@ -119,6 +119,11 @@ class MultimodalQwen(nn.Cell):
             return self.lm.logits(h)
         return self.lm.loss(h, labels)
 
+    def cross_kv_shape(self, batch: int) -> List[int]:
+        """The shape of ``cross_kv``'s keys (and values) for ``batch`` images (-1: dynamic)."""
+        block, v = self.cross_attn[0], self.vision_config
+        return [len(self.cross_attn), batch, block.heads, v.num_frames * v.num_patches, block.head_dim]
+
     def cross_kv(self, pixel_values):
         """pixel_values (B, 3, H, W) or (B, T, 3, H, W) → every cross-attention block's image keys
         and values, stacked (C, B, heads, Nv, D): computed once per image when generating."""
