@@ -10,14 +10,16 @@ Pair = Tuple[str, str]
 
 def answer(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 16,
            batch_size: int = 64) -> List[str]:
-    """Greedy answers, decoded up to the first EOS; prompts are left-padded into batches."""
+    """Greedy answers, decoded up to the first EOS; prompts are left-padded into batches of
+    equal rows (at most ``batch_size``), which run one compiled decode graph."""
     encoded = [tokenizer.encode(p) for p in prompts]
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     generator = Generator(model)
     was_training = model.training
+    size = -(-len(encoded) // -(-len(encoded) // batch_size))  # 120 prompts at 64: two batches of 60
     answers: List[str] = []
-    for start in range(0, len(encoded), batch_size):
-        for row in generator.run(encoded[start:start + batch_size], config):
+    for start in range(0, len(encoded), size):
+        for row in generator.run(encoded[start:start + size], config, rows=size):
             answers.append(tokenizer.decode([t for t in row.tokens if t != tokenizer.eos_token_id]))
     model.set_train(was_training)
     return answers

@@ -477,12 +477,8 @@ class Generator:
         model.set_train(False)
         self.model, self.tokenizer, self.filter = model, tokenizer, output_filter
         self.dtype = model_dtype(model)
-        self.stamp = model.create_time
-        multimodal = hasattr(model, "cross_kv")
-        step = ImageCachedStep if multimodal else CachedStep
-        self.prefill, self.decode = step(model), step(model)
-        self.prefill.set_inputs(*_dynamic_prefill_inputs(self.dtype, multimodal))
-        self.image_step = ImageKeysValues(model) if multimodal else None
+        self.prefill, self.decode, self.image_step = compiled_steps(model)
+        multimodal = self.image_step is not None
         self.image_token_id = model.image_token_id if multimodal else None
         if multimodal:
             v = model.vision_config
@@ -512,12 +508,15 @@ class Generator:
 
     def run(self, prompts: Sequence[Sequence[int]], configs: Union[GenerationConfig, Sequence[GenerationConfig]],
             on_token: Optional[TokenCallback] = None, progress: bool = False,
-            cancelled: Optional[Callable[[int], bool]] = None, images: Optional[Sequence] = None) -> List[RowResult]:
+            cancelled: Optional[Callable[[int], bool]] = None, images: Optional[Sequence] = None,
+            rows: int = 0) -> List[RowResult]:
         """Generate for each prompt (lists of ids, any lengths) in one ``SlotBatch``.
 
         ``on_token(row, token, text)`` streams; ``cancelled(row)`` is asked before every decode
         step, and a row it answers True for ends there (finish reason ``cancelled``). ``images``:
-        a multimodal model's pixel values per prompt (see ``SlotBatch.join``).
+        a multimodal model's pixel values per prompt (see ``SlotBatch.join``). ``rows``: cache
+        rows to hold at least (free ones masked out): calls with fewer prompts then run the
+        decode graph already compiled for that many.
         """
         if not len(prompts):
             raise ValueError("no prompts to generate for")
@@ -525,7 +524,7 @@ class Generator:
             configs = [configs] * len(prompts)
         if self.tokenizer is None and (self.filter is not None or any(c.stop_strings for c in configs)):
             raise ValueError("stop_strings and output filters work on text: pass a tokenizer")
-        batch = SlotBatch(self, len(prompts), shrink=False)  # one decode graph for the whole run
+        batch = SlotBatch(self, max(rows, len(prompts)), shrink=False)  # one decode graph for the whole run
         with self.graph_mode(), tqdm(total=max(c.max_new_tokens for c in configs), desc="generating",
                                      unit="tok", disable=not progress) as bar:
             batch.join(prompts, configs, range(len(prompts)), on_token, images)
@@ -542,6 +541,23 @@ class Generator:
     def graph_mode(self):
         """The step graphs compile whatever mode the caller is in; the caller's mode comes back."""
         return in_mode(ms.GRAPH_MODE)
+
+
+def compiled_steps(model) -> tuple:
+    """The model's (prefill, decode, image step or None) Cells, kept on the model: every
+    ``Generator`` over it (another tokenizer or filter, each evaluation, each ``generate`` call)
+    runs the graphs compiled so far. Built anew once surgery re-stamps the model's cells
+    (``invalidate_compiled_graphs``): the step Cells above it keep their own stamps."""
+    kept = model.__dict__.get("_mindqwen_steps")
+    if kept is not None and kept[0] == model.create_time:
+        return kept[1]
+    multimodal = hasattr(model, "cross_kv")
+    step = ImageCachedStep if multimodal else CachedStep
+    prefill, decode = step(model), step(model)
+    prefill.set_inputs(*_dynamic_prefill_inputs(model_dtype(model), multimodal))
+    steps = (prefill, decode, ImageKeysValues(model) if multimodal else None)
+    object.__setattr__(model, "_mindqwen_steps", (model.create_time, steps))
+    return steps
 
 
 def _dynamic_prefill_inputs(dtype, multimodal: bool = False) -> tuple:
@@ -576,11 +592,7 @@ def generate(model, input_ids, max_new_tokens: int = 32, do_sample: bool = False
     """
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, **kwargs)
     prompts, padded = _prompts(input_ids, attention_mask)
-    gen = model.__dict__.get("_mindqwen_generator")
-    # A merge or other surgery re-stamps the model's cells (invalidate_compiled_graphs): rebuild.
-    if gen is None or gen.stamp != model.create_time or (gen.tokenizer, gen.filter) != (tokenizer, output_filter):
-        gen = Generator(model, tokenizer, output_filter)
-        object.__setattr__(model, "_mindqwen_generator", gen)
+    gen = Generator(model, tokenizer, output_filter)  # the model keeps its compiled graphs (compiled_steps)
     results = gen.run(prompts, config, on_token, progress, images=None if pixel_values is None else list(
         pixel_values.asnumpy() if isinstance(pixel_values, Tensor) else pixel_values))
     n = max(len(r.tokens) for r in results)

@@ -16,6 +16,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under ``-n 2`` two workers share two cores: one op thread each (measured on
     # test_trainer + test_generation: 208 s against 230 s with MindSpore's default).
     ms.device_context.cpu.op_tuning.threads_num(1)
+    # And a core each, for every thread of the worker and of the processes it starts: MindSpore's
+    # runtime hands each kernel from an actor thread to a kernel thread that spin-wait for each
+    # other, so beside another busy process a demo-sized train step took 171 ms instead of 66 ms
+    # (alone it keeps 1.8 cores busy); pinned to one core it takes 85 ms, busy neighbour or not.
+    _cores = sorted(os.sched_getaffinity(0))
+    _worker = int(os.environ["PYTEST_XDIST_WORKER"].lstrip("gw"))
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) <= len(_cores):
+        for _thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(_thread), {_cores[_worker % len(_cores)]})
 
 
 def pytest_configure(config):

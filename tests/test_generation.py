@@ -1,5 +1,7 @@
 """KV-cache generation: cache logits vs full recomputation (itself checked against HF), batching,
 HF's logits processors in closed form, stop strings, the output filter and streaming."""
+import functools
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -11,6 +13,14 @@ from mindqwen.generation import (GenerationConfig, Generator, OutputFilter, Slot
                                  choose_token, generate, process_logits, softmax)
 from mindqwen.lora import LoraConfig, lora_layers
 from mindqwen.models.kv_cache import CachedStep, CacheLayout
+
+
+@functools.lru_cache(maxsize=None)
+def shared_base(name):
+    """The fixture model, loaded once for the tests here that only generate from it (generation
+    leaves a model as it was), so they also share its compiled graphs; a test that changes a
+    model loads its own."""
+    return from_pretrained(fixture_path(name, "base"))
 
 
 def _cached_logits(model, ids, mask, new_tokens):
@@ -80,7 +90,7 @@ def test_kv_cache_sliding_window_equals_full_recompute():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_batched_left_padded_generation_equals_rows(name):
-    model = from_pretrained(fixture_path(name, "base"))
+    model = shared_base(name)
     ref = reference(name)["input_ids"]
     prompts = [ref[0, :16].tolist(), ref[1, :5].tolist(), ref[1, 7:16].tolist()]
     batched = generate(model, prompts, max_new_tokens=8)
@@ -97,7 +107,7 @@ def test_rows_joining_and_leaving_a_running_batch_compute_what_they_compute_alon
     rows write at different slots) joins after two steps; C and D join one step later; D is cancelled after
     three tokens. A reproduces HF's greedy tokens, C's first log-probabilities HF's logits, and B
     and C every token and log-probability of their single-row runs (≤ 1e-5)."""
-    model = from_pretrained(fixture_path(name, "base"))
+    model = shared_base(name)
     ref = reference(name)
     ids, hf_tokens = ref["input_ids"], ref["gen_ids"][0, 16:].tolist()
     prompts = {"A": ref["gen_ids"][0, :16].tolist(), "B": np.concatenate([ids[1], ids[0], ids[1, :8]]).tolist(),
@@ -152,8 +162,32 @@ def test_lora_generation_equals_merged():
     assert np.array_equal(generate(model, prompt, max_new_tokens=6), unmerged)
 
 
-def test_eos_stops_each_row_and_pads():
+def test_generators_over_one_model_share_its_compiled_steps_until_surgery():
+    """A second Generator (another tokenizer or filter) runs the graphs the first compiled; a
+    merge re-stamps the model and gets fresh ones (the test above checks what they compute)."""
     model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    first = Generator(model)
+    again = Generator(model, LetterTokenizer(), OutputFilter(["x"]))
+    assert again.prefill is first.prefill and again.decode is first.decode
+    merge_lora(apply_lora(model, LoraConfig(r=4)))
+    assert Generator(model).prefill is not first.prefill
+
+
+def test_evaluation_batches_of_equal_rows_answer_what_each_prompt_answers_alone():
+    """Five prompts at batch_size 2: three batches of two rows (the last one free), one decode
+    graph; each answer is the prompt's own greedy continuation, cut at its first EOS."""
+    from mindqwen.data.tokenizer import ByteTokenizer
+    from mindqwen.evaluate import answer
+    model, tok = shared_base("qwen2_tiny"), ByteTokenizer()
+    prompts = ["ab", "hello", "xyz q", "0", "tiny model"]
+    answers = answer(model, tok, prompts, max_new_tokens=5, batch_size=2)
+    for prompt, got in zip(prompts, answers):
+        alone = generate(model, [tok.encode(prompt)], max_new_tokens=5)[0, len(tok.encode(prompt)):].tolist()
+        assert got == tok.decode(alone[:alone.index(0)] if 0 in alone else alone), prompt
+
+
+def test_eos_stops_each_row_and_pads():
+    model = shared_base("qwen2_tiny")
     gen = reference("qwen2_tiny")["gen_ids"]
     eos = int(gen[0, 16 + 2])
     out = generate(model, gen[:1, :16], max_new_tokens=8, eos_token_id=[999, eos], pad_token_id=7)
@@ -193,7 +227,7 @@ def test_sampling_follows_the_tempered_distribution():
 
 
 def test_seeded_sampling_is_reproducible_and_greedy_with_top_k_1():
-    model = from_pretrained(fixture_path("qwen3_tiny", "base"))
+    model = shared_base("qwen3_tiny")
     ref = reference("qwen3_tiny")
     prompt = ref["input_ids"][:1, :16]
     a = generate(model, prompt, max_new_tokens=8, do_sample=True, temperature=1.5, seed=11)
@@ -228,7 +262,7 @@ def _texts(model, tokenizer, output_filter=None, **kwargs):
 
 
 def test_stop_strings_and_streaming():
-    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    model = shared_base("qwen2_tiny")
     full, streamed = _texts(model, LetterTokenizer())
     assert streamed == full.text and len(full.tokens) == 8 and full.finish_reason == "length"
     stop = full.text[3:5]
@@ -239,7 +273,7 @@ def test_stop_strings_and_streaming():
 
 @pytest.mark.parametrize("action", ["mask", "drop", "stop"])
 def test_output_filter_actions(action):
-    model = from_pretrained(fixture_path("qwen2_tiny", "base"))
+    model = shared_base("qwen2_tiny")
     full, _ = _texts(model, LetterTokenizer())
     blocked = full.text[2:4]
     row, streamed = _texts(model, LetterTokenizer(), OutputFilter([blocked], action))

@@ -1,5 +1,7 @@
 """Image-conditioned generation: the image's cross-attention keys/values computed once in prefill
 and held beside the KV cache, against full recomputation of the fused model."""
+import functools
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -20,6 +22,13 @@ def _model(frames=1):
         block.gate.set_data(Tensor(np.array([0.8], np.float32)))
     model.set_train(False)
     return lm, model
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_model(frames=1):
+    """``_model(frames)`` built once for the tests that only run it (and so share its compiled
+    generation graphs); a test that changes the model builds its own."""
+    return _model(frames)
 
 
 def _images(n, frames=1, seed=0):
@@ -43,7 +52,7 @@ def _assert_greedy(model, prompt, image, tokens):
 def test_cached_steps_equal_full_recomputation_on_a_left_padded_batch(frames):
     """Prefill (both prompts left-padded to 7) and four decode steps in graph mode, the image
     keys/values computed once: every step's logits equal the full forward of each unpadded row."""
-    _, model = _model(frames)
+    _, model = _shared_model(frames)
     images = _images(2, frames)
     assert np.abs(_full_logits(model, PROMPTS[1], images[0]) - _full_logits(model, PROMPTS[1], images[1]))[-1].max() > 1e-2
     follow = [[70, 71, 72, 73], [80, 81, 82, 83]]  # the tokens fed back, one per step
@@ -83,7 +92,7 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
     it generates what the LM alone generates), two rows with their own images joining it, and a
     row that joins the running batch later (its image keys/values move into the cache's row
     layout); each row's tokens equal the greedy chain of full recomputation."""
-    lm, model = _model()
+    lm, model = _shared_model()
     images = _images(3, seed=1)
     config = GenerationConfig(max_new_tokens=6)
     gen = Generator(model)
@@ -109,7 +118,7 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
 
 
 def test_top_level_generate_takes_pixel_values_and_bad_images_are_refused():
-    _, model = _model()
+    _, model = _shared_model()
     images = _images(2, seed=2)
     out = generate(model, PROMPTS, max_new_tokens=3, pixel_values=images)
     for i, p in enumerate(PROMPTS):
@@ -169,7 +178,7 @@ def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
     from mindqwen.multimodal.data import apply_transforms, image_transforms, load_image
     from mindqwen.serve import Server
     from test_serve import _post
-    _, model = _model()
+    _, model = _shared_model()
     generator = Generator(model, ByteTokenizer())
     Image.fromarray(np.random.default_rng(5).integers(0, 255, (20, 30, 3), dtype=np.uint8)).save(tmp_path / "x.png")
     data_url = "data:image/png;base64," + base64.b64encode((tmp_path / "x.png").read_bytes()).decode()
@@ -219,7 +228,7 @@ def test_the_server_decodes_images_off_the_event_loop(tmp_path):
     from mindqwen.data.tokenizer import ByteTokenizer
     from mindqwen.serve import Server
     from test_serve import _post
-    _, model = _model()
+    _, model = _shared_model()
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "x.png")
     server = Server(Generator(model, ByteTokenizer()), port=0, defaults=GenerationConfig(max_new_tokens=2)).start()
     reading, release, read = threading.Event(), threading.Event(), server.read_image
