@@ -19,13 +19,12 @@ same process measured up to 1.3× slower than it does alone.
 """
 import argparse
 import json
-import math
 import resource
 import statistics
 import time
 
 from mindqwen import QwenConfig, backend  # before MindSpore: mindqwen sets what MindSpore reads at load
-from mindqwen.models.qwen import SparseMoeBlock, dropped_share
+from mindqwen.models.qwen import SparseMoeBlock, dropped_share, expert_capacity
 
 import mindspore as ms
 import numpy as np
@@ -66,15 +65,9 @@ class StackedCapacityBlock(nn.Cell):
     def construct(self, x):
         b = self.block
         x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-        probs = ops.softmax(b.gate(x2), -1)
-        chosen = ops.stop_gradient(ops.topk(probs, b.top_k)[1])
-        top = ops.gather_elements(probs, 1, chosen)
-        if b.norm_topk_prob:
-            top = top / top.sum(-1, keepdims=True)
-        weights = (ops.one_hot(chosen, b.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
-                   * top.expand_dims(-1)).sum(1)  # (N, E)
+        _, weights = b.route(x2)  # (N, E)
         n, e = x2.shape[0], b.num_experts
-        capacity = min(n, math.ceil(b.capacity_factor * n * b.top_k / e))
+        capacity = expert_capacity(n, b.top_k, e, b.capacity_factor)
         rows = ops.stop_gradient(ops.topk(weights.swapaxes(0, 1), capacity)[1])  # (E, C)
         xe = ops.gather(x2, rows.reshape(-1), 0).reshape(e, capacity, -1)  # (E, C, H)
         gate, up = ops.split(ops.bmm(xe, self.gate_up), self.down.shape[1], -1)  # 2 × (E, C, I)

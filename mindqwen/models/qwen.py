@@ -318,16 +318,8 @@ class SparseMoeBlock(nn.Cell):
     def construct(self, x):
         """x (B, S, H) → y (B, S, H) and the router logits (B·S, E) fp32."""
         x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-        router_logits = self.gate(x2)
-        probs = ops.softmax(router_logits, -1)  # (N, E)
-        # Indices only, then a gather: differentiating through topk's (values, indices) pair
-        # fails in MindSpore 2.10's graph mode ("func graph is empty"); the gradient is the same.
-        chosen = ops.stop_gradient(ops.topk(probs, self.top_k)[1])  # (N, k): the experts each token picks
-        top = ops.gather_elements(probs, 1, chosen)  # (N, k): their probabilities
-        if self.norm_topk_prob:
-            top = top / top.sum(-1, keepdims=True)
-        weights = (ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
-                   * top.expand_dims(-1)).sum(1).astype(x.dtype)  # (N, E)
+        router_logits, weights = self.route(x2)
+        weights = weights.astype(x.dtype)
         if self.capacity_factor is not None and self.training:
             y = self._within_capacity(x2, weights)
         else:
@@ -338,15 +330,35 @@ class SparseMoeBlock(nn.Cell):
             y = y + ops.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return y.reshape(x.shape), router_logits
 
+    def route(self, x2):
+        """x2 (N, H) → the router logits (N, E) fp32 and each token's expert weights w (N, E)
+        fp32: its k largest probabilities (renormalised with ``norm_topk_prob``), 0 elsewhere."""
+        router_logits = self.gate(x2)
+        probs = ops.softmax(router_logits, -1)  # (N, E)
+        # Indices only, then a gather: differentiating through topk's (values, indices) pair
+        # fails in MindSpore 2.10's graph mode ("func graph is empty"); the gradient is the same.
+        chosen = ops.stop_gradient(ops.topk(probs, self.top_k)[1])  # (N, k): the experts each token picks
+        top = ops.gather_elements(probs, 1, chosen)  # (N, k): their probabilities
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdims=True)
+        weights = (ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+                   * top.expand_dims(-1)).sum(1)  # (N, E)
+        return router_logits, weights
+
     def _within_capacity(self, x2, weights):
         """x2 (N, H), weights (N, E) → Σ_e w[:, e] · expert_e(x) over each expert's C tokens of
         largest weight (tokens that did not pick e have weight 0: they add nothing)."""
         n = x2.shape[0]
-        capacity = min(n, math.ceil(self.capacity_factor * n * self.top_k / self.num_experts))
+        capacity = expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor)
         rows = ops.stop_gradient(ops.topk(weights.swapaxes(0, 1), capacity)[1])  # (E, C) token indices
         out = [expert(ops.gather(x2, rows[e], 0)) * ops.gather(weights[:, e], rows[e], 0).expand_dims(-1)
                for e, expert in enumerate(self.experts)]  # E × (C, H)
         return ops.unsorted_segment_sum(ops.cat(out, 0), rows.reshape(-1), n)
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(f · N · k / E) tokens per expert, at most N."""
+    return min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
 def dropped_share(router_logits, top_k: int, capacity_factor: float):
@@ -355,7 +367,7 @@ def dropped_share(router_logits, top_k: int, capacity_factor: float):
     tuple of (N, E) fp32, one per MoE layer."""
     logits = ops.stop_gradient(ops.stack(router_logits))  # (L, N, E)
     n, num_experts = logits.shape[1], logits.shape[2]
-    capacity = min(n, math.ceil(capacity_factor * n * top_k / num_experts))
+    capacity = expert_capacity(n, top_k, num_experts, capacity_factor)
     chosen = ops.topk(logits, top_k)[1]  # (L, N, k): softmax keeps the order
     counts = ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum((1, 2))  # (L, E)
     return ops.relu(counts - capacity).sum() / (logits.shape[0] * n * top_k)
