@@ -11,11 +11,16 @@ Pair = Tuple[str, str]
 def answer(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 16,
            batch_size: int = 64) -> List[str]:
     """Greedy answers, decoded up to the first EOS; prompts are left-padded into batches of
-    equal rows (at most ``batch_size``), which run one compiled decode graph."""
+    equal rows (at most ``batch_size``; the last one's free rows masked out), which run one
+    compiled decode graph per cache-length bucket."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     encoded = [tokenizer.encode(p) for p in prompts]
+    if not encoded:
+        return []
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    was_training = model.training  # before the Generator puts the model in inference mode
     generator = Generator(model)
-    was_training = model.training
     size = -(-len(encoded) // -(-len(encoded) // batch_size))  # 120 prompts at 64: two batches of 60
     answers: List[str] = []
     for start in range(0, len(encoded), size):

@@ -1,8 +1,9 @@
 """Text generation with a static-shape KV cache: one prefill graph, one T=1 decode graph.
 
 ``generate(model, input_ids, max_new_tokens=…, do_sample=False, …)`` is the public entry and,
-like HF, returns the prompt followed by the new tokens, [B, S+N] int32. ``Generator`` keeps the
-compiled graphs between calls and returns per-row text and finish reasons. Both run a
+like HF, returns the prompt followed by the new tokens, [B, S+N] int32. ``Generator`` returns
+per-row text and finish reasons; the compiled graphs stay with the model (``compiled_steps``),
+so later calls and other generators over it do not recompile. Both run a
 ``SlotBatch``: rows join between decode steps and leave when they end (the server keeps one
 running; ``generate`` joins every prompt at once).
 
@@ -422,7 +423,7 @@ class SlotBatch:
     def _relayout(self, live: List[_Row], length: int, joining=None) -> None:
         """Rebuild the cache with the rows ``live`` (those present, then the ``joining``
         ((k, v, images…), mask) rows) first, ``length`` slots each."""
-        rows = _rows_bucket(len(live), self.max_rows)
+        rows = _rows_bucket(len(live), self.max_rows) if self.shrink else self.max_rows
         present = [i for i, r in enumerate(self.rows) if r is not None]
         states, mask = [], []  # per source: (k, v, image keys, image values), rows on axis 1
         if present:
@@ -464,7 +465,7 @@ def _fit_slots(x, length: int, axis: int):
 
 
 class Generator:
-    """Batched KV-cache generation over one model, keeping its compiled graphs.
+    """Batched KV-cache generation over one model (whose compiled graphs stay with it).
 
     Args:
         model: a ``QwenForCausalLM``, or a ``MultimodalQwen`` (prompts may then come with
@@ -516,7 +517,7 @@ class Generator:
         step, and a row it answers True for ends there (finish reason ``cancelled``). ``images``:
         a multimodal model's pixel values per prompt (see ``SlotBatch.join``). ``rows``: cache
         rows to hold at least (free ones masked out): calls with fewer prompts then run the
-        decode graph already compiled for that many.
+        decode graph already compiled for that many (in the same cache-length bucket).
         """
         if not len(prompts):
             raise ValueError("no prompts to generate for")
@@ -545,18 +546,22 @@ class Generator:
 
 def compiled_steps(model) -> tuple:
     """The model's (prefill, decode, image step or None) Cells, kept on the model: every
-    ``Generator`` over it (another tokenizer or filter, each evaluation, each ``generate`` call)
-    runs the graphs compiled so far. Built anew once surgery re-stamps the model's cells
-    (``invalidate_compiled_graphs``): the step Cells above it keep their own stamps."""
+    ``Generator`` made over it (another tokenizer or filter, each evaluation, each ``generate``
+    call) runs the graphs compiled so far. Built anew once any cell of the model has a newer
+    stamp than when they were made (surgery re-stamps what it touches, ``invalidate_compiled_graphs``;
+    a new cell has a new stamp): the step Cells above the model keep their own stamps, so their
+    graphs would be stale. A ``Generator`` made before the change keeps the old Cells."""
+    stamp = max(cell.create_time for _, cell in model.cells_and_names())
     kept = model.__dict__.get("_mindqwen_steps")
-    if kept is not None and kept[0] == model.create_time:
+    if kept is not None and kept[0] == stamp:
         return kept[1]
     multimodal = hasattr(model, "cross_kv")
     step = ImageCachedStep if multimodal else CachedStep
     prefill, decode = step(model), step(model)
     prefill.set_inputs(*_dynamic_prefill_inputs(model_dtype(model), multimodal))
     steps = (prefill, decode, ImageKeysValues(model) if multimodal else None)
-    object.__setattr__(model, "_mindqwen_steps", (model.create_time, steps))
+    # A plain attribute: as a Cell attribute the steps (which hold the model) would be its children.
+    object.__setattr__(model, "_mindqwen_steps", (stamp, steps))
     return steps
 
 

@@ -18,8 +18,8 @@ from mindqwen.models.kv_cache import CachedStep, CacheLayout
 @functools.lru_cache(maxsize=None)
 def shared_base(name):
     """The fixture model, loaded once for the tests here that only generate from it (generation
-    leaves a model as it was), so they also share its compiled graphs; a test that changes a
-    model loads its own."""
+    changes no weight or cell; it leaves the model in inference mode), so they also share its
+    compiled graphs; a test that changes a model loads its own."""
     return from_pretrained(fixture_path(name, "base"))
 
 
@@ -163,27 +163,40 @@ def test_lora_generation_equals_merged():
 
 
 def test_generators_over_one_model_share_its_compiled_steps_until_surgery():
-    """A second Generator (another tokenizer or filter) runs the graphs the first compiled; a
-    merge re-stamps the model and gets fresh ones (the test above checks what they compute)."""
+    """A second Generator (another tokenizer or filter) runs the graphs the first compiled; after
+    surgery anywhere in the model (new LoRA cells, a merge, a re-stamped layer) a new Generator
+    gets fresh ones (test_lora_generation_equals_merged checks what they compute)."""
+    from mindqwen.models.graph import invalidate_compiled_graphs
     model = from_pretrained(fixture_path("qwen2_tiny", "base"))
     first = Generator(model)
     again = Generator(model, LetterTokenizer(), OutputFilter(["x"]))
     assert again.prefill is first.prefill and again.decode is first.decode
-    merge_lora(apply_lora(model, LoraConfig(r=4)))
-    assert Generator(model).prefill is not first.prefill
+    seen = [first.prefill]
+    for surgery in (lambda: apply_lora(model, LoraConfig(r=4)), lambda: merge_lora(model),
+                    lambda: invalidate_compiled_graphs(model.model.layers[1])):
+        surgery()
+        fresh = Generator(model)
+        assert all(fresh.prefill is not old for old in seen) and Generator(model).decode is fresh.decode
+        seen.append(fresh.prefill)
 
 
-def test_evaluation_batches_of_equal_rows_answer_what_each_prompt_answers_alone():
-    """Five prompts at batch_size 2: three batches of two rows (the last one free), one decode
-    graph; each answer is the prompt's own greedy continuation, cut at its first EOS."""
+def test_evaluation_batches_of_equal_rows_answer_what_each_prompt_answers_alone(monkeypatch):
+    """Five prompts at batch_size 2: three batches of two cache rows (the last one's second row
+    free), so one decode shape; each answer is the prompt's own greedy continuation, cut at its
+    first EOS."""
     from mindqwen.data.tokenizer import ByteTokenizer
     from mindqwen.evaluate import answer
     model, tok = shared_base("qwen2_tiny"), ByteTokenizer()
     prompts = ["ab", "hello", "xyz q", "0", "tiny model"]
+    rows, step = set(), SlotBatch.step
+    monkeypatch.setattr(SlotBatch, "step", lambda self, *a, **k: (rows.add(len(self.rows)), step(self, *a, **k))[1])
     answers = answer(model, tok, prompts, max_new_tokens=5, batch_size=2)
+    assert rows == {2}
+    monkeypatch.undo()
     for prompt, got in zip(prompts, answers):
         alone = generate(model, [tok.encode(prompt)], max_new_tokens=5)[0, len(tok.encode(prompt)):].tolist()
         assert got == tok.decode(alone[:alone.index(0)] if 0 in alone else alone), prompt
+    assert answer(model, tok, [], max_new_tokens=5) == []
 
 
 def test_eos_stops_each_row_and_pads():

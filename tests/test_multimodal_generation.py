@@ -25,7 +25,7 @@ def _model(frames=1):
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_model(frames=1):
+def _shared_model(frames):
     """``_model(frames)`` built once for the tests that only run it (and so share its compiled
     generation graphs); a test that changes the model builds its own."""
     return _model(frames)
@@ -92,7 +92,7 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
     it generates what the LM alone generates), two rows with their own images joining it, and a
     row that joins the running batch later (its image keys/values move into the cache's row
     layout); each row's tokens equal the greedy chain of full recomputation."""
-    lm, model = _shared_model()
+    lm, model = _shared_model(1)
     images = _images(3, seed=1)
     config = GenerationConfig(max_new_tokens=6)
     gen = Generator(model)
@@ -118,7 +118,7 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
 
 
 def test_top_level_generate_takes_pixel_values_and_bad_images_are_refused():
-    _, model = _shared_model()
+    _, model = _shared_model(1)
     images = _images(2, seed=2)
     out = generate(model, PROMPTS, max_new_tokens=3, pixel_values=images)
     for i, p in enumerate(PROMPTS):
@@ -178,7 +178,7 @@ def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
     from mindqwen.multimodal.data import apply_transforms, image_transforms, load_image
     from mindqwen.serve import Server
     from test_serve import _post
-    _, model = _shared_model()
+    _, model = _shared_model(1)
     generator = Generator(model, ByteTokenizer())
     Image.fromarray(np.random.default_rng(5).integers(0, 255, (20, 30, 3), dtype=np.uint8)).save(tmp_path / "x.png")
     data_url = "data:image/png;base64," + base64.b64encode((tmp_path / "x.png").read_bytes()).decode()
@@ -228,7 +228,7 @@ def test_the_server_decodes_images_off_the_event_loop(tmp_path):
     from mindqwen.data.tokenizer import ByteTokenizer
     from mindqwen.serve import Server
     from test_serve import _post
-    _, model = _shared_model()
+    _, model = _shared_model(1)
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "x.png")
     server = Server(Generator(model, ByteTokenizer()), port=0, defaults=GenerationConfig(max_new_tokens=2)).start()
     reading, release, read = threading.Event(), threading.Event(), server.read_image

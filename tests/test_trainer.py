@@ -84,7 +84,7 @@ def test_forced_overflow_skips_the_update_and_halves_the_scale(mode):
     model = lora_model()
     apply_precision(model, PrecisionConfig(level="O1", dtype="float16"))
     optimizer = make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-3, 100))
-    # 2**24 · loss overflows fp16 (as 2**40 would, in 16 fewer steps of backing off)
+    # At 2**24 the fp16 backward overflows (as at 2**40, 16 back-off steps sooner); it first fits at 2**18.
     scaler = make_loss_scaler(PrecisionConfig(level="O1", dtype="float16", loss_scale=2.0 ** 24))
     stepper = Stepper(model, optimizer, scaler, 1, 1.0, dynamic_scaling=True)
     ids = ms.Tensor(batch())
