@@ -18,8 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     ms.device_context.cpu.op_tuning.threads_num(1)
     # And a core each, for every thread of the worker and of the processes it starts: MindSpore's
     # runtime hands each kernel from an actor thread to a kernel thread that spin-wait for each
-    # other, so beside another busy process a demo-sized train step took 171 ms instead of 66 ms
-    # (alone it keeps 1.8 cores busy); pinned to one core it takes 85 ms, busy neighbour or not.
+    # other, so beside another busy process a demo-sized train step took 171-205 ms instead of 66 ms
+    # (alone it keeps 1.8 cores busy); pinned to one core it takes 85 ms, busy neighbour or not
+    # (benchmarks/cpu_neighbours.py).
     # With more cores than workers, each gets every count-th core; a lone worker (-n 1) stays free.
     _count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     _cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
