@@ -397,7 +397,7 @@ class SlotBatch:
         if self.gen.image_step is not None and any(r.image is not None for r in rows):
             images = tuple(self.gen.image_step(Tensor(np.stack([self.gen.pixels(r.image) for r in rows]))))
         elif self.gen.image_step is not None:  # no row sees an image: its keys/values are masked out
-            zeros = Tensor(np.zeros(self.gen.model.cross_kv_shape(len(rows)), np.float32), self.gen.dtype)
+            zeros = ops.zeros(tuple(self.gen.model.cross_kv_shape(len(rows))), self.gen.dtype)
             images = (zeros, zeros)
         logits, k, v = self.gen.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
                                         layout.zeros(self.gen.dtype), layout.zeros(self.gen.dtype),
