@@ -5,7 +5,8 @@
 as a Qwen3-MoE (8 experts of width 352, 2 per token, q/k-norm). ``--shape qwen2.5-0.5b`` (and
 the other names in ``mindqwen.presets``): that model's dimensions, random init. Always fp32,
 AdamW lr 1e-4, LoRA r 8 / alpha 32 on q_proj, v_proj (``--full`` for a full fine-tune), random
-init (seed 0). Data as the peer script draws it:
+init (seed 0); ``--targets`` other LoRA targets. ``qwen3-30b-a3b-narrow``: Qwen3-30B-A3B's
+depth, experts and heads at narrow widths (its compile time). Data as the peer script draws it:
 ``default_rng(1234).integers(0, vocab, (steps, batch, seq))``, labels = input_ids.
 The timed region is one compiled optimizer step (the same ``Stepper`` that ``fit`` uses);
 ``tokens_per_s`` is batch·seq over the median step time after ``--warmup`` steps, ``mfu`` is the
@@ -31,13 +32,20 @@ BENCH_SMALL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1408, nu
 # bench-small as a Qwen3 mixture of experts: 8 experts of a quarter of the MLP width, 2 per token.
 BENCH_SMALL_MOE = dict(BENCH_SMALL, model_type="qwen3_moe", qkv_bias=False, qk_norm=True, head_dim=64,
                        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=352, norm_topk_prob=True)
-SHAPES = ("bench-small", "bench-small-moe", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b")
+# Qwen3-30B-A3B's structure (48 layers of 128 experts, 8 per token; 32 heads, 4 KV heads) at narrow
+# widths: what the graph compiler sees of the real model, in a CPU's memory.
+QWEN3_30B_A3B_NARROW = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=8,
+                            qkv_bias=False, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False,
+                            max_position_embeddings=2048)
+SHAPES = ("bench-small", "bench-small-moe", "qwen3-30b-a3b-narrow", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b")
 
 
 def shape_config(name: str, layers: int = 0) -> dict:
     """QwenConfig keyword arguments of a benchmark shape (``layers`` > 0 overrides the depth)."""
     from mindqwen.presets import PRESETS
-    bench = {"bench-small": BENCH_SMALL, "bench-small-moe": BENCH_SMALL_MOE}
+    bench = {"bench-small": BENCH_SMALL, "bench-small-moe": BENCH_SMALL_MOE, "qwen3-30b-a3b-narrow": QWEN3_30B_A3B_NARROW}
     config = dict(bench[name]) if name in bench else dict(PRESETS[name], max_position_embeddings=4096)
     if layers:
         config["num_hidden_layers"] = layers
@@ -57,6 +65,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--recompute", default="none", choices=["none", "full", "attention", "mlp"])
     ap.add_argument("--recompute-every", type=int, default=1, help="recompute only every K-th layer")
     ap.add_argument("--threads", type=int, default=0, help="CPU op threads (0: MindSpore's default)")
+    ap.add_argument("--targets", default="q_proj,v_proj", help="LoRA target_modules, comma-separated")
     ap.add_argument("--moe-capacity-factor", type=float, default=None,
                     help="bench-small-moe: QwenConfig.moe_capacity_factor (default: exact, every expert on every token)")
     ap.add_argument("--no-fusion", dest="fusion", action="store_false",
@@ -87,7 +96,7 @@ def build(args: argparse.Namespace) -> tuple:
     model = QwenForCausalLM(config)
     args.build_s = time.perf_counter() - t
     if not args.full:
-        apply_lora(model, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"]))
+        apply_lora(model, LoraConfig(r=8, lora_alpha=32, target_modules=args.targets.split(",")))
     apply_recompute(model, args.recompute, args.recompute_every)
     model.set_train(True)
     optimizer = make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-4, args.steps))
@@ -123,7 +132,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "train", "framework": "mindqwen (MindSpore %s, graph mode)" % ms.__version__,
         "mode": "full" if args.full else "lora", "fusion": backend.fusion_enabled(), "shape": args.shape,
-        "layers": config.num_hidden_layers, "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
+        "layers": config.num_hidden_layers, "targets": args.targets, "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
         "recompute_every": args.recompute_every, "steps": args.steps, "build_s": round(args.build_s, 1),
         "compile_cache": bool(args.compile_cache), "moe_capacity_factor": args.moe_capacity_factor,
         "tokens_per_s": round(tokens / step_s, 1), "step_ms": round(step_s * 1e3, 1),

@@ -4,7 +4,8 @@ The model is the usual decomposition (ZeRO paper for states, Korthikanti et al. 
 activations), written for mindqwen's own graph: what each layer keeps for the backward pass.
 Per device under data (dp) × tensor (tp) × pipeline (pp) parallel, the worst pipeline stage:
 
-    weights      params/(tp·pp) × bytes(param dtype)        embeddings on the first, head on the last stage
+    weights      params/(tp·pp) × bytes(param dtype)        embeddings on the first, head on the last stage;
+                                                            routed experts also / ep (expert parallel)
     gradients    trainable/(tp·pp) × bytes(param dtype)     LoRA adapters are fp32
     optimizer    2 × trainable/(tp·pp) × bytes(param dtype)  AdamW m, v (in the parameters' dtype)
     accumulate   trainable/(tp·pp) × bytes(param dtype)     only with gradient_accumulation > 1
@@ -137,15 +138,16 @@ def multimodal_activation_bytes(config: QwenConfig, vision, cross_layers, batch:
     return vision.num_hidden_layers * block + tokens * (2 * h) * 4 + len(cross_layers) * cross
 
 
-def lora_counts(config: QwenConfig, lora) -> int:
-    """Adapter parameters of the decoder layer that has the most (every Linear LoRA matches:
-    attention, MLP, each expert)."""
+def lora_counts(config: QwenConfig, lora, expert_parallel: int = 1) -> float:
+    """Adapter parameters of the decoder layer that has the most on one device (every Linear LoRA
+    matches: attention, MLP, each expert; the experts' split ``expert_parallel`` ways)."""
     per_layer: Dict[str, int] = {}
     for name, shape in config.tensor_shapes().items():
         if name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2 \
                 and not name.endswith("mlp.gate.weight") and lora.matches(name[:-len(".weight")]):
             layer = name.split(".")[2]
-            per_layer[layer] = per_layer.get(layer, 0) + lora.r * sum(shape)
+            share = 1 / expert_parallel if ".mlp.experts." in name else 1
+            per_layer[layer] = per_layer.get(layer, 0) + lora.r * sum(shape) * share
     return max(per_layer.values(), default=0)
 
 
@@ -165,8 +167,9 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     capacity, runtime, label = _device(device)
     cpu = label.startswith("CPU")
     flash = not cpu  # mindqwen uses flash attention on Ascend
-    tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+    tp, pp, ep = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel
     layer, embed, head = parameter_counts(config)
+    layer -= config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size * (1 - 1 / ep)
     stage_layers = math.ceil(config.num_hidden_layers / pp)
     first = stage_layers * layer + embed + (0 if pp > 1 else head)
     last = stage_layers * layer + head + (embed if config.tie_word_embeddings and pp == 1 else 0)
@@ -174,7 +177,7 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     level = trainer.precision.level
     weight_bytes = BYTES[trainer.precision.dtype] if level == "O3" else BYTES[model_dtype]
     if lora is not None:
-        trainable, state_bytes = stage_layers * lora_counts(config, lora) / tp, 4
+        trainable, state_bytes = stage_layers * lora_counts(config, lora, ep) / tp, 4
     else:
         trainable, state_bytes = params, weight_bytes
     # A pipeline splits the micro-batch into pipeline_micro_batches; a stage holds up to pp in flight.

@@ -26,7 +26,7 @@ from mindqwen.io.atomic import staged_files
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.models.graph import invalidate_compiled_graphs
-from mindqwen.models.qwen import Linear, Router
+from mindqwen.models.qwen import ExpertLinear, Linear, Router
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # Q and V keep most of the quality at the lowest cost
 INIT_MODES = ("default", "gaussian", "pissa")
@@ -337,10 +337,101 @@ class LoRALayer(nn.Cell):
         self.merged = False
 
 
+class ExpertLoRALayer(nn.Cell):
+    """LoRA on an ``ExpertLinear`` (one projection of all E experts, stacked): expert e gets its
+    own A[e] [r, in] and B[e] [out, r], PEFT's ``mlp.experts.{e}.<proj>.lora_A/B`` on HF's
+    per-expert modules. Owns the base [E, out, in] ``weight``.
+
+        y[e] = x[e]·W[e]ᵀ + s·(drop(x[e])·A[e]ᵀ)·B[e]ᵀ          x (E, T, in) → y (E, T, out)
+
+    ``fan_out`` / ``fan_in`` are ``ExpertLinear``'s (every expert on every token), adapters added.
+    """
+
+    def __init__(self, base: ExpertLinear, config: LoraConfig, path: str):
+        super().__init__()
+        if config.use_dora or config.init == "pissa":
+            raise ValueError(f"{path}: {'DoRA' if config.use_dora else 'PiSSA'} on a mixture of experts' "
+                             "experts is not implemented; leave gate_proj/up_proj/down_proj out of target_modules "
+                             "or use plain LoRA")
+        e, self.in_features, self.out_features = base.num_experts, base.in_features, base.out_features
+        self.num_experts = e
+        self.weight, self.bias = base.weight, None  # the same Parameter
+        r = config.r
+        self.scaling, self.use_dora, self.pissa_init, self.merged = config.scaling, False, None, False
+        # Initialised as E separate [r, in] matrices: kaiming-uniform's bound is 1/√in per expert.
+        a_init = Normal(1.0 / r) if config.init == "gaussian" else HeUniform(negative_slope=math.sqrt(5))
+        a = initializer(a_init, (e * r, self.in_features), ms.float32).init_data().reshape(e, r, self.in_features)
+        self.lora_a = Parameter(a, name=f"{path}.lora_a")  # (E, r, in)
+        self.lora_b = Parameter(initializer("zeros", (e, self.out_features, r), ms.float32), name=f"{path}.lora_b")
+        self.dropout = float(config.lora_dropout)
+        self.bmm = ops.BatchMatMul(transpose_b=True)
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.compute_dtype = base.compute_dtype
+
+    def construct(self, x):
+        """x (E, T, in) → (E, T, out): expert e's tokens through expert e's weight and adapter."""
+        x3, w, a, b = self._cast(x)
+        y = self.bmm(x3, w)  # (E, T, out)
+        if not self.merged:
+            y = y + self.bmm(self.bmm(self._drop(x3), a), b) * self.scaling  # (E, T, r) -> (E, T, out)
+        return y.astype(x.dtype)
+
+    def fan_out(self, x2):
+        """x2 (N, in) → (N, E, out): every expert, with its adapter, on every token."""
+        n, e, r = x2.shape[0], self.num_experts, self.lora_a.shape[1]
+        x2c, w, a, b = self._cast(x2)
+        y = self.matmul(x2c, w.reshape(-1, self.in_features)).reshape(n, e, self.out_features)
+        if not self.merged:
+            xa = self.matmul(self._drop(x2c), a.reshape(-1, self.in_features)).reshape(n, e, r)  # (N, E, r)
+            y = y + self.bmm(xa.transpose(1, 0, 2), b).transpose(1, 0, 2) * self.scaling  # (N, E, out)
+        return y.astype(x2.dtype)
+
+    def fan_in(self, h):
+        """h (N, E, in) → Σ_e (h[:, e]·W[e]ᵀ + s·h[:, e]·A[e]ᵀ·B[e]ᵀ) (N, out)."""
+        n = h.shape[0]
+        hc, w, a, b = self._cast(h)
+        y = self.matmul(hc.reshape(n, -1), w.transpose(1, 0, 2).reshape(self.out_features, -1))
+        if not self.merged:
+            ha = self.bmm(self._drop(hc).transpose(1, 0, 2), a).transpose(1, 0, 2)  # (N, E, r)
+            y = y + self.matmul(ha.reshape(n, -1), b.transpose(1, 0, 2).reshape(self.out_features, -1)) * self.scaling
+        return y.astype(h.dtype)
+
+    def _cast(self, x):
+        w = self.weight
+        if self.compute_dtype is not None:
+            x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
+        return x, w, self.lora_a.astype(x.dtype), self.lora_b.astype(x.dtype)
+
+    def _drop(self, x):
+        if self.dropout > 0 and self.training:
+            keep = ops.stop_gradient(ops.rand_like(x, dtype=ms.float32) >= self.dropout)
+            return x * keep.astype(x.dtype) / (1.0 - self.dropout)
+        return x
+
+    def delta_np(self) -> np.ndarray:
+        """s·B[e]·A[e] for every expert, (E, out, in) in float64."""
+        return self.scaling * np.matmul(self.lora_b.asnumpy().astype(np.float64), self.lora_a.asnumpy().astype(np.float64))
+
+    def merged_weight_np(self) -> np.ndarray:
+        w = self.weight.asnumpy().astype(np.float64)
+        return w if self.merged else w + self.delta_np()
+
+    def merge(self) -> None:
+        if not self.merged:
+            self.weight.set_data(Tensor(self.merged_weight_np().astype(np.float32)).astype(self.weight.dtype))
+            self.merged = True
+
+    def unmerge(self) -> None:
+        if self.merged:
+            w = self.weight.asnumpy().astype(np.float64) - self.delta_np()
+            self.weight.set_data(Tensor(w.astype(np.float32)).astype(self.weight.dtype))
+            self.merged = False
+
+
 # ---------------------------------------------------------------------- model surgery
-def lora_layers(model: nn.Cell) -> Dict[str, LoRALayer]:
-    """Module path → LoRALayer, in model order."""
-    return {path: cell for path, cell in model.cells_and_names() if isinstance(cell, LoRALayer)}
+def lora_layers(model: nn.Cell) -> Dict[str, Union[LoRALayer, ExpertLoRALayer]]:
+    """Module path → LoRALayer (or ExpertLoRALayer), in model order."""
+    return {path: cell for path, cell in model.cells_and_names() if isinstance(cell, (LoRALayer, ExpertLoRALayer))}
 
 
 def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
@@ -389,8 +480,8 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
     if routers:  # a low-rank router changes which experts tokens pick; PEFT users train it in full
         raise ValueError(f"LoraConfig.target_modules matches the expert router {routers[0]}, which takes no "
                          "LoRA: leave it frozen (the default) or train it in full with modules_to_save=['gate']")
-    linears = [(path, cell) for path, cell in root.cells_and_names() if isinstance(cell, Linear)]
-    targets = [(path, cell) for path, cell in linears if config.matches(path)]
+    linears = [(path, cell) for path, cell in root.cells_and_names() if isinstance(cell, (Linear, ExpertLinear))]
+    targets = [(path, cell) for path, cell in linears if _targeted(config, path, cell)]
     if not targets:
         names = sorted({p.rsplit(".", 1)[-1] for p, _ in linears})
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module "
@@ -399,8 +490,33 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
     cells = dict(root.cells_and_names())
     for path, base in targets:
         parent, _, child = path.rpartition(".")
-        cells[parent].insert_child_to_cell(child, LoRALayer(base, config, prefix + path))
+        layer = ExpertLoRALayer if isinstance(base, ExpertLinear) else LoRALayer
+        cells[parent].insert_child_to_cell(child, layer(base, config, prefix + path))
     return [path for path, _ in targets]
+
+
+def _targeted(config: LoraConfig, path: str, cell: nn.Cell) -> bool:
+    """Whether ``config`` adapts the module at ``path``; stacked experts are matched as PEFT
+    matches HF's modules, one per expert (``…mlp.experts.{e}.up_proj``), all or none."""
+    if not isinstance(cell, ExpertLinear):
+        return config.matches(path)
+    hits = [config.matches(name) for name in _per_expert(path, cell.num_experts)]
+    if any(hits) and not all(hits):
+        raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} adapts {sum(hits)} of the "
+                         f"{len(hits)} experts at {path}; mindqwen stacks a layer's experts, so LoRA adapts "
+                         "all of them or none")
+    return all(hits)
+
+
+# A stacked expert tensor (``…mlp.experts.up_proj.weight`` / ``.lora_a``) and its per-expert name
+# in HF and PEFT files (``…mlp.experts.3.up_proj.weight`` / ``.lora_a``).
+_STACKED = re.compile(r"(.*\.experts)\.([a-z_]+)((?:\.weight|\.lora_a|\.lora_b)?)")
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.([a-z_]+(?:\.weight|\.lora_a|\.lora_b))")
+
+
+def _per_expert(name: str, num_experts: int) -> List[str]:
+    m = _STACKED.fullmatch(name)
+    return [f"{m.group(1)}.{e}.{m.group(2)}{m.group(3)}" for e in range(num_experts)]
 
 
 def mark_only_lora_trainable(model: nn.Cell) -> None:
@@ -446,8 +562,12 @@ def merge_and_unload(model: nn.Cell) -> nn.Cell:
     merge_lora(model)
     cells = dict(model.cells_and_names())
     for path, layer in lora_layers(model).items():
-        plain = Linear(layer.in_features, layer.out_features, layer.bias is not None)
-        plain.weight, plain.bias = layer.weight, layer.bias  # merged Parameters, same names
+        if isinstance(layer, ExpertLoRALayer):
+            plain = ExpertLinear(layer.num_experts, layer.in_features, layer.out_features)
+            plain.weight = layer.weight
+        else:
+            plain = Linear(layer.in_features, layer.out_features, layer.bias is not None)
+            plain.weight, plain.bias = layer.weight, layer.bias  # merged Parameters, same names
         plain.compute_dtype = layer.compute_dtype
         parent, _, child = path.rpartition(".")
         cells[parent].insert_child_to_cell(child, plain)
@@ -474,31 +594,37 @@ def _check_modules_to_save(model: nn.Cell, names: Optional[Sequence[str]]) -> No
 
 # ---------------------------------------------------------------------- PEFT adapter files
 def adapter_state(model: nn.Cell) -> Dict[str, np.ndarray]:
-    """The adapter's tensors under PEFT's key names (``base_model.model.<path>.lora_A.weight`` …).
+    """The adapter's tensors under PEFT's key names (``base_model.model.<path>.lora_A.weight`` …);
+    stacked experts' tensors split into PEFT's per-expert ones (``…mlp.experts.3.up_proj.lora_A.weight``).
 
     A PiSSA adapter is exported as PEFT does it: a rank-2r LoRA relative to the *original*
     weights ([A; A0], [B, −B0]), so it applies to the untouched base checkpoint.
     """
     config: LoraConfig = model.lora_config
-    out: Dict[str, np.ndarray] = {}
+    named: Dict[str, np.ndarray] = {}  # mindqwen name → array
     for path, layer in lora_layers(model).items():
         a, b = layer.lora_a.asnumpy(), layer.lora_b.asnumpy()
         if layer.pissa_init is not None:
             a = np.concatenate([a, layer.pissa_init["lora_a"]], 0)
             b = np.concatenate([b, -layer.pissa_init["lora_b"]], 1)
-        out[_peft_key(layer.lora_a.name)] = a
-        out[_peft_key(layer.lora_b.name)] = b
+        named[layer.lora_a.name], named[layer.lora_b.name] = a, b
         if layer.use_dora:
-            out[_peft_key(layer.lora_magnitude_vector.name)] = layer.lora_magnitude_vector.asnumpy()
+            named[layer.lora_magnitude_vector.name] = layer.lora_magnitude_vector.asnumpy()
     layers = lora_layers(model)
     for p in model.get_parameters():
         owner = p.name.rpartition(".")[0]
         if p.requires_grad and p.name.endswith(".bias") and (config.bias == "all" or owner in layers):
-            out[PEFT_PREFIX + p.name] = p.asnumpy()
+            named[p.name] = p.asnumpy()
     for path in _module_paths(model, config.modules_to_save):
         for p in model.get_parameters():
             if p.name.startswith(path + "."):
-                out[PEFT_PREFIX + p.name] = p.asnumpy()
+                named[p.name] = p.asnumpy()
+    out = {}
+    for name, array in named.items():
+        if _STACKED.fullmatch(name):
+            out.update({_peft_key(n): array[e] for e, n in enumerate(_per_expert(name, array.shape[0]))})
+        else:
+            out[_peft_key(name)] = array
     return out
 
 
@@ -539,22 +665,40 @@ def load_adapter(model: nn.Cell, folder: str, allow_non_finite: bool = False) ->
     arrays = {key: weights.get(key) for key in sorted(weights.keys())}
     apply_lora(model, config)
     params = {p.name: p for p in model.get_parameters()}
-    wanted = {_peft_key(name) for name in params
-              if name.endswith((".lora_a", ".lora_b", ".lora_magnitude_vector"))}
+    wanted = {_peft_key(n) for name, p in params.items() if name.endswith((".lora_a", ".lora_b", ".lora_magnitude_vector"))
+              for n in (_per_expert(name, p.shape[0]) if _STACKED.fullmatch(name) else [name])}
     missing = sorted(wanted - set(weights.keys()))
     if missing:
         raise CheckpointError(f"{w_path}: missing adapter tensors {', '.join(missing[:6])}")
-    for key, array in arrays.items():
-        name = key[len(PEFT_PREFIX):].replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight", ".lora_b")
+    named = {key[len(PEFT_PREFIX):].replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight", ".lora_b"): (key, a)
+             for key, a in arrays.items()}
+    named.update(_stack_experts(named))
+    for name, (key, array) in named.items():
         if name not in params:
             raise CheckpointError(f"{w_path}: tensor {key} targets {name}, which the model does not have")
         p = params[name]
-        if tuple(weights.shape(key)) != tuple(p.shape):
-            raise CheckpointError(f"{w_path}: tensor {key} has shape {list(weights.shape(key))}, "
+        if tuple(array.shape) != tuple(p.shape):
+            raise CheckpointError(f"{w_path}: tensor {key} has shape {list(array.shape)}, "
                                   f"the model expects {list(p.shape)}")
         p.set_data(Tensor(array).astype(p.dtype))
     invalidate_compiled_graphs(model)
     return model
+
+
+def _stack_experts(named: Dict[str, tuple]) -> Dict[str, tuple]:
+    """Pop the per-expert tensors of ``named`` (name → (file key, array)); return them stacked
+    under the model's names, keyed by a description of their file keys."""
+    groups: Dict[str, Dict[int, tuple]] = {}
+    for name in [n for n in named if _PER_EXPERT.fullmatch(n)]:
+        m = _PER_EXPERT.fullmatch(name)
+        groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = named.pop(name)
+    out = {}
+    for name, parts in groups.items():
+        key = re.sub(r"\.experts\.\d+\.", ".experts.<e>.", parts[min(parts)][0])
+        if sorted(parts) != list(range(len(parts))):
+            raise CheckpointError(f"{key}: experts {sorted(set(range(max(parts) + 1)) - set(parts))} are missing")
+        out[name] = (key, np.stack([parts[e][1] for e in range(len(parts))]))
+    return out
 
 
 def _peft_key(name: str) -> str:
@@ -562,6 +706,6 @@ def _peft_key(name: str) -> str:
     return PEFT_PREFIX + re.sub(r"\.lora_([ab])$", lambda m: f".lora_{m.group(1).upper()}.weight", name)
 
 
-__all__ = ["LoraConfig", "LoRALayer", "apply_lora", "mark_only_lora_trainable", "trainable_report",
+__all__ = ["LoraConfig", "LoRALayer", "ExpertLoRALayer", "apply_lora", "mark_only_lora_trainable", "trainable_report",
            "merge_lora", "unmerge_lora", "merge_and_unload", "save_adapter", "load_adapter",
            "adapter_state", "lora_layers"]

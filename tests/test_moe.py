@@ -10,6 +10,7 @@ from mindspore import Tensor, nn
 from conftest import MOE_MODELS, fixture_path, reference
 from mindqwen import QwenConfig, QwenForCausalLM, from_pretrained, generate, load_adapter, merge_and_unload
 from mindqwen.config import ConfigError
+from mindqwen.io.hf import model_state
 from test_generation import _cached_logits, _full_logits, _padded_batch
 from test_lora import grads_by_peft_key, rel
 
@@ -142,7 +143,10 @@ def test_sparse_layers_follow_hfs_rule_and_bad_configs_name_the_field():
                      moe_intermediate_size=8, decoder_sparse_step=2, mlp_only_layers=[3])
     assert [cfg.is_sparse(i) for i in range(4)] == [False, True, False, False]
     model = QwenForCausalLM(cfg)
-    assert {p.name: tuple(p.shape) for p in model.get_parameters()} == cfg.tensor_shapes()
+    assert {k: tuple(t.shape) for k, t in model_state(model).items()} == cfg.tensor_shapes()  # HF layout
+    params = {p.name: tuple(p.shape) for p in model.get_parameters()}  # the experts stacked [E, out, in]
+    assert (params["model.layers.1.mlp.experts.gate_proj.weight"], params["model.layers.1.mlp.experts.down_proj.weight"]) \
+        == ((4, 8, 16), (4, 16, 8))
     for kwargs, field in (({"num_experts_per_tok": 5}, "num_experts_per_tok"), ({"moe_intermediate_size": 0},
                           "moe_intermediate_size"), ({"mlp_only_layers": [4]}, "mlp_only_layers")):
         with pytest.raises(ConfigError, match=field):
@@ -182,7 +186,7 @@ def test_gradients_reach_exactly_the_experts_that_received_tokens():
     grads = {p.name: g.asnumpy() for p, g in zip(params, grads)}
     for layer, experts in enumerate(routed):
         for e in range(8):
-            norms = [np.abs(grads[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]).max()
+            norms = [np.abs(grads[f"model.layers.{layer}.mlp.experts.{proj}.weight"][e]).max()
                      for proj in ("gate_proj", "up_proj", "down_proj")]
             assert all(n > 0 for n in norms) if e in experts else all(n == 0 for n in norms), (layer, e, norms)
         assert np.abs(grads[f"model.layers.{layer}.mlp.gate.weight"]).min() > 0  # every router row learns
@@ -270,7 +274,8 @@ def test_lora_on_experts_has_peft_names_and_the_router_is_frozen_unless_saved(tm
     trainable = {p.name: p.size for p in model.trainable_params()}
     # per layer: q_proj (64 → 128) and 4 experts' up_proj (64 → 32), r = 4
     assert sum(trainable.values()) == 2 * (4 * (64 + 128) + 4 * 4 * (64 + 32))
-    assert "model.layers.1.mlp.experts.3.up_proj.lora_b" in trainable
+    lora_b = {p.name: p.shape for p in model.trainable_params()}["model.layers.1.mlp.experts.up_proj.lora_b"]
+    assert lora_b == (4, 32, 4)  # the 4 experts' B stacked
     assert not any(".mlp.gate." in n for n in trainable)
     for p in model.trainable_params():  # B = 0 leaves the output unchanged: make the adapter do something
         p.set_data(Tensor(np.random.default_rng(1).standard_normal(p.shape).astype(np.float32) * 0.1))
@@ -281,6 +286,21 @@ def test_lora_on_experts_has_peft_names_and_the_router_is_frozen_unless_saved(tm
     reloaded = load_adapter(base("qwen3_moe_tiny"), str(tmp_path / "adapter"))
     assert np.array_equal(reloaded(ids).asnumpy(), model(ids).asnumpy())
     assert np.abs(merge_and_unload(reloaded)(ids).asnumpy() - model(ids).asnumpy()).max() <= 1e-5
+    # PEFT's per-expert merge, W + (alpha/r)·B·A from the adapter file, is the merged model's expert 3.
+    adapter = SafetensorsFile(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1.mlp.experts.3.up_proj"
+    base_w = SafetensorsFile(fixture_path("qwen3_moe_tiny", "base", "model.safetensors")).get(
+        "model.layers.1.mlp.experts.3.up_proj.weight").astype(np.float64)
+    expected = base_w + 2.0 * adapter.get(prefix + ".lora_B.weight").astype(np.float64) @ adapter.get(prefix + ".lora_A.weight")
+    reloaded.save_pretrained(str(tmp_path / "merged"))
+    merged_w = SafetensorsFile(str(tmp_path / "merged" / "model.safetensors")).get("model.layers.1.mlp.experts.3.up_proj.weight")
+    assert np.abs(merged_w - expected).max() <= 1e-6
+    # Training with a capacity that holds every assignment (C = N) runs the per-expert batches
+    # through the adapters (the other path): the same logits.
+    capped = load_adapter(from_pretrained(fixture_path("qwen3_moe_tiny", "base"), moe_capacity_factor=2.0),
+                          str(tmp_path / "adapter"))
+    capped.set_train(True)
+    assert rel(capped(ids).asnumpy(), model(ids).asnumpy()) <= 1e-5
 
     trained_router = apply_lora(base("qwen3_moe_tiny"), LoraConfig(target_modules=["q_proj"], modules_to_save=["gate"]))
     assert {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"} <= {
@@ -376,10 +396,9 @@ def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_sha
     np.put_along_axis(weights, chosen, np.take_along_axis(probs, chosen, 1), 1)
     weights /= weights.sum(-1, keepdims=True)
 
-    def expert(e, rows):
-        p = f"experts.{e}."
-        g, u = rows @ w[p + "gate_proj.weight"].T, rows @ w[p + "up_proj.weight"].T
-        return (g / (1 + np.exp(-g)) * u) @ w[p + "down_proj.weight"].T
+    def expert(e, rows):  # the stacked weights' slice e: expert e's [out, in]
+        g, u = rows @ w["experts.gate_proj.weight"][e].T, rows @ w["experts.up_proj.weight"][e].T
+        return (g / (1 + np.exp(-g)) * u) @ w["experts.down_proj.weight"][e].T
 
     exact, capped = np.zeros_like(x2), np.zeros_like(x2)
     for e in range(e_count):

@@ -119,15 +119,31 @@ def test_pipeline_stages_split_layers_contiguously():
         assign_pipeline_stages(model, 9)
 
 
-def test_moe_experts_are_split_like_the_mlp_and_routers_kept_whole():
-    model = from_pretrained(fixture_path("qwen2_moe_tiny", "base"))
-    shard_model(model, DP, TP)
+def test_moe_experts_are_split_by_expert_and_like_the_mlp_and_routers_kept_whole():
+    """Stacked experts: x (E, C, in) · W (E, out, in)ᵀ split by expert (EP groups over the
+    data-parallel replicas), by token within a group, and like the MLP within an expert."""
+    dp, tp, ep = 4, 2, 2
+    model = apply_lora(from_pretrained(fixture_path("qwen2_moe_tiny", "base")),
+                       LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "up_proj"]))
+    shard_model(model, dp, tp, ep)
     mlp = model.model.layers[1].mlp
-    column, row = ((DP, 1), (TP, 1)), ((DP, TP), (1, TP))
-    for expert in list(mlp.experts) + [mlp.shared_expert]:
-        assert (strategy(expert.gate_proj), strategy(expert.up_proj), strategy(expert.down_proj)) == (column, column, row)
-    assert mlp.gate.matmul.attrs["in_strategy"] == ((DP, 1), (1, 1))
-    assert strategy(mlp.shared_expert_gate) == ((DP, 1), (1, 1))
+    experts = [mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj]
+    assert [p.bmm.attrs["in_strategy"] for p in experts] == [((ep, dp // ep, 1), (ep, tp, 1))] * 2 + [
+        ((ep, dp // ep, tp), (ep, 1, tp))]
+    shared = mlp.shared_expert
+    assert (strategy(shared.gate_proj), strategy(shared.up_proj), strategy(shared.down_proj)) == (
+        ((dp, 1), (tp, 1)), ((dp, 1), (tp, 1)), ((dp, tp), (1, tp)))
+    assert mlp.gate.matmul.attrs["in_strategy"] == ((dp, 1), (1, 1))
+    assert strategy(mlp.shared_expert_gate) == ((dp, 1), (1, 1))
+    with pytest.raises(ValueError, match="expert_parallel=3 must divide num_experts=4"):
+        shard_model(model, 3, 1, 3)
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide data_parallel=3"):
+        ParallelConfig(3, expert_parallel=2)
+    with pytest.raises(ValueError, match="this model is dense"):
+        check_model_layout(QwenConfig(), ParallelConfig(2, expert_parallel=2))
+    odd = apply_lora(from_pretrained(fixture_path("qwen3_moe_tiny", "base")), LoraConfig(r=3, target_modules=["up_proj"]))
+    with pytest.raises(ValueError, match="must divide the LoRA rank 3"):  # only the experts have LoRA
+        shard_model(odd, 2, 2)
     config = QwenConfig.from_hf(fixture_path("qwen2_moe_tiny", "base"))
     config.moe_intermediate_size = 33
     with pytest.raises(ValueError, match="tensor_parallel=2 must divide moe_intermediate_size=33"):

@@ -370,3 +370,22 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path):
             losses += [v.simple_value for v in event.summary.value if v.tag == "train/loss"]
     logged = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl")]
     assert losses == pytest.approx(logged, rel=1e-6)
+
+
+def test_the_update_takes_more_gradients_than_graph_modes_call_depth():
+    """700 gradient tensors (LoRA on every projection of Qwen3-30B-A3B's 48 layers is 672): the
+    clipped update compiles (a comprehension over them exceeded MindSpore's depth limit of 1000)
+    and its norm is the closed form √Σg², the update SGD's p − lr·g·min(1, c/‖g‖)."""
+    from mindspore import Parameter, Tensor
+    from mindqwen.train.step import ApplyGrads
+    rng = np.random.default_rng(0)
+    params = [Parameter(Tensor(rng.normal(size=3).astype(np.float32)), name=f"p{i}") for i in range(700)]
+    grads = [rng.normal(size=3).astype(np.float32) for _ in params]
+    before = [p.asnumpy().copy() for p in params]
+    update = ApplyGrads(nn.SGD(params, learning_rate=0.1), make_loss_scaler(PrecisionConfig()), clip_norm=1.0,
+                        dynamic_scaling=False)
+    finite, norm = ms.jit(update)(tuple(Tensor(g) for g in grads), None)
+    expected = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads))
+    assert bool(finite) and abs(float(norm) - expected) <= 1e-5 * expected
+    factor = min(1.0, 1.0 / expected)
+    assert max(np.abs(p.asnumpy() - (b - 0.1 * g * factor)).max() for p, b, g in zip(params, before, grads)) <= 1e-6

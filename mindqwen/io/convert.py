@@ -1,7 +1,8 @@
 """Checkpoint conversion between HF (= mindqwen), MindSpore ``.ckpt`` and mindformers' namings.
 
     hf | mindqwen       an HF folder (config.json + safetensors, sharded or not)
-    ms-ckpt             a MindSpore .ckpt with HF/mindqwen parameter names
+    ms-ckpt             a MindSpore .ckpt with mindqwen's parameter names (HF's; a mixture of
+                        experts' routed experts stacked per layer and projection, io/experts.py)
     mindformers         legacy names (attention.wq, feed_forward.w1, …): .ckpt or safetensors
     mindformers-mcore   Mcore names (self_attention.linear_qkv, mlp.linear_fc1, …): .ckpt or safetensors
 
@@ -22,7 +23,8 @@ from mindqwen.config import QwenConfig
 from mindqwen.io.hf import DTYPES, open_checkpoint, sanitize, save_tensors
 from mindqwen.io.atomic import atomic_file
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, check_finite, save_file
-from mindqwen.io.key_maps import EXPERTS, FUSIONS, MAPS, MOE_FORMATS
+from mindqwen.io.experts import stack_experts, unstack_experts
+from mindqwen.io.key_maps import FUSIONS, MAPS, MOE_FORMATS
 
 FORMATS = ("hf", "mindqwen", "ms-ckpt", "mindformers", "mindformers-mcore")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
@@ -86,6 +88,9 @@ def convert(source: str, target: str, src_fmt: str, dst_fmt: str, config: Option
         return
     if dst_fmt in MAPS:
         state = to_format(state, dst_fmt, cfg.num_key_value_heads, qkv, mlp)
+    else:  # ms-ckpt: the model's own parameters, loadable by mindspore.load_param_into_net
+        state = dict(state)
+        state.update(stack_experts(state, "stacked"))
     write_file(target, state, store == "bfloat16")
 
 
@@ -137,6 +142,7 @@ def read_checkpoint(source: str, fmt: str = "hf", config: Optional[str] = None, 
     cfg = _config(source if config is None else config)
     _check_moe_format(cfg, fmt)
     state = read_state(source, allow_non_finite)
+    state.update(unstack_experts(state, "stacked", cfg.num_experts))  # a mindqwen .ckpt's stacked experts
     if cfg.model_type == "qwen" and fmt in ("hf", "mindqwen"):  # its own layout: fused c_attn
         fmt, qkv, mlp = "qwen", "contiguous", None
     if fmt in MAPS:
@@ -260,71 +266,6 @@ def from_format(state: Mapping[str, LazyTensor], fmt: str, num_kv_heads: int, ro
                     whole, kind, layouts[kind] == "interleaved", j))
     names = rename(list(out), inverse(MAPS[fmt]))
     return {**{names[k]: v for k, v in out.items()}, **experts}
-
-
-_EXPERT = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
-
-
-def stack_experts(state: Dict[str, LazyTensor], fmt: str) -> Dict[str, LazyTensor]:
-    """Pop the per-expert HF tensors of ``state``; return them stacked as ``fmt`` stores them
-    (``key_maps.EXPERTS``): each expert's parts concatenated along rows and transposed to
-    [in, out], experts stacked [E, in, out] or flattened [E·in, out]. Lazy."""
-    pattern = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-    counts: Dict[str, int] = {}
-    for key in state:
-        m = pattern.match(key)
-        if m:
-            counts[m.group(1)] = max(counts.get(m.group(1), 0), int(m.group(2)) + 1)
-    out = {}
-    for i, num in counts.items():
-        for foreign, projs, layout in EXPERTS[fmt]:
-            members = [[state.pop(_EXPERT.format(i=i, e=e, proj=p)) for p in projs] for e in range(num)]
-            rows, cols = sum(m.shape[0] for m in members[0]), members[0][0].shape[1]
-            shape = (num, cols, rows) if layout == "stack" else (num * cols, rows)
-            out[foreign.format(i=i)] = LazyTensor(shape, members[0][0].dtype, partial(
-                lambda ms_, s: np.stack([np.concatenate([m.load() for m in parts], 0).T for parts in ms_]).reshape(s),
-                members, shape))
-    return out
-
-
-def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) -> Dict[str, LazyTensor]:
-    """Inverse of ``stack_experts``: pop the stacked tensors, return HF per-expert tensors. A
-    stacked tensor is read once for all its experts and released when the last one is taken."""
-    out = {}
-    for foreign, projs, _ in EXPERTS[fmt]:
-        for match in _instances(state, foreign):
-            name = foreign.format(**match)
-            whole = state.pop(name)
-            if not num_experts or whole.shape[0] % num_experts or len(whole.shape) not in (2, 3):
-                raise ValueError(f"{name} has shape {list(whole.shape)}: not {num_experts} stacked experts")
-            split = _Split(whole, num_experts, len(projs))
-            rows = whole.shape[-1] // len(projs)
-            cols = whole.shape[-2] if len(whole.shape) == 3 else whole.shape[0] // num_experts
-            for e in range(num_experts):
-                for j, proj in enumerate(projs):
-                    out[_EXPERT.format(i=match["i"], e=e, proj=proj)] = LazyTensor(
-                        (rows, cols), whole.dtype, partial(split.take, e, j))
-    return out
-
-
-class _Split:
-    """The parts of one stacked expert tensor, computed on first use and dropped after the last."""
-
-    def __init__(self, whole: LazyTensor, num_experts: int, num_parts: int):
-        self.whole, self.num_experts, self.num_parts = whole, num_experts, num_parts
-        self.parts, self.left = None, 0
-
-    def take(self, expert: int, part: int) -> np.ndarray:
-        if self.parts is None:
-            w = self.whole.load()
-            w = w.reshape(self.num_experts, -1, w.shape[-1])  # (E, in, out)
-            self.parts = [np.split(np.ascontiguousarray(w[e].T), self.num_parts, 0) for e in range(self.num_experts)]
-            self.left = self.num_experts * self.num_parts
-        a = self.parts[expert][part]
-        self.left -= 1
-        if self.left == 0:
-            self.parts = None
-        return a
 
 
 def lazy(arrays: Mapping[str, np.ndarray]) -> Dict[str, LazyTensor]:

@@ -2,7 +2,9 @@
 
 A folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Since mindqwen parameter names equal HF names, loading is the
-identity map plus :func:`sanitize` (stale rotary buffers, a stored copy of a tied head).
+identity map plus :func:`sanitize` (stale rotary buffers, a stored copy of a tied head); a
+mixture of experts' per-expert tensors are stacked into its ``ExpertLinear`` weights and split
+back on saving (``mindqwen.io.experts``).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import os
 import re
 from contextlib import nullcontext
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import mindspore as ms
@@ -18,6 +21,7 @@ from tqdm import tqdm
 
 from mindqwen.config import QwenConfig
 from mindqwen.io.atomic import staged_files
+from mindqwen.io.experts import stack_experts, unstack_experts
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
 
@@ -88,24 +92,29 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
     files = open_checkpoint(folder, allow_non_finite)
     config: QwenConfig = model.config
     names = sanitize(list(files), config)
-    params = {p.name: p for p in model.get_parameters()}
-    missing = sorted(set(params) - set(names.values()))
-    unexpected = sorted(k for k, n in names.items() if n not in params)
+    expected = {name: t.shape for name, t in model_state(model).items()}  # HF name → shape
+    missing = sorted(set(expected) - set(names.values()))
+    unexpected = sorted(k for k, n in names.items() if n not in expected)
     if strict and (missing or unexpected):
         parts = [f"missing keys {_short(missing)}" if missing else "",
                  f"unexpected keys {_short(unexpected)}" if unexpected else ""]
         raise CheckpointError(f"{folder}: checkpoint does not match the "
                               f"{config.model_type} config: " + "; ".join(p for p in parts if p))
-    for key, name in tqdm(sorted(names.items()), desc="loading", unit="tensor", leave=False,
-                          disable=len(names) < 64):
-        if name not in params:
+    params = {p.name: p for p in model.get_parameters()}
+    np_dtype = np.float16 if next(iter(params.values())).dtype == ms.float16 else np.float32
+    state = {}
+    for key, name in names.items():
+        if name not in expected:
             continue
-        p, f = params[name], files[key]
-        if tuple(f.shape(key)) != tuple(p.shape):
+        f = files[key]
+        if tuple(f.shape(key)) != tuple(expected[name]):
             raise CheckpointError(f"{f.path}: tensor {key} has shape {list(f.shape(key))}, "
-                                  f"the model expects {list(p.shape)}")
-        np_dtype = np.float16 if p.dtype == ms.float16 else np.float32
-        p.set_data(ms.Tensor.from_numpy(f.get(key, np_dtype)).astype(p.dtype))
+                                  f"the model expects {list(expected[name])}")
+        state[name] = LazyTensor(tuple(f.shape(key)), np.dtype(np_dtype), partial(f.get, key, np_dtype))
+    state.update(stack_experts(state, "stacked"))  # HF's per-expert tensors → the model's stacked ones
+    for name, t in tqdm(sorted(state.items()), desc="loading", unit="tensor", leave=False, disable=len(state) < 64):
+        if name in params:
+            params[name].set_data(ms.Tensor.from_numpy(t.load()).astype(params[name].dtype))
     return missing, unexpected
 
 
@@ -135,7 +144,7 @@ def save_pretrained(model: ms.nn.Cell, folder: str, dtype: Optional[str] = None,
     if lora:  # an HF folder has no place for them: transformers would load the base model silently
         raise ValueError(f"the model has LoRA adapters ({lora[0]}, …): save_adapter(model, folder) writes them "
                          "in PEFT format; merge_and_unload(model).save_pretrained(folder) writes the merged weights")
-    tensors = {name: _lazy(p, dtype) for name, p in _state(model)}
+    tensors = model_state(model, dtype)
     save_tensors(folder, layout(tensors) if layout else tensors, model.config.to_hf(), dtype, max_shard_size)
 
 
@@ -174,9 +183,13 @@ def save_tensors(folder: str, tensors: Dict[str, LazyTensor], hf_config: dict, d
                 os.remove(os.path.join(folder, name))
 
 
-def _state(model: ms.nn.Cell):
-    """(HF name, Parameter) of the base model, in order."""
-    return [(p.name, p) for p in model.get_parameters()]
+def model_state(model: ms.nn.Cell, dtype: Optional[str] = None) -> Dict[str, LazyTensor]:
+    """HF name → lazy tensor (in ``dtype``, default the parameter's) of every parameter of
+    ``model``: its own names, a mixture of experts' stacked experts split into HF's per-expert
+    tensors."""
+    state = {p.name: _lazy(p, dtype) for p in model.get_parameters()}
+    state.update(unstack_experts(state, "stacked", getattr(model.config, "num_experts", 0)))
+    return state
 
 
 def _lazy(p: ms.Parameter, dtype: Optional[str]) -> LazyTensor:

@@ -87,6 +87,10 @@ FUSIONS = {
 # toolkit/weight_convert/qwen3_moe/reverse_mcore_qwen3_moe_weight_to_hf.py.
 EXPERTS = {
     "qwen": [],
+    # mindqwen's own parameters and .ckpt: one tensor per projection, [E, out, in] as HF's per expert
+    "stacked": [("model.layers.{i}.mlp.experts.gate_proj.weight", ["gate_proj"], "own"),
+                ("model.layers.{i}.mlp.experts.up_proj.weight", ["up_proj"], "own"),
+                ("model.layers.{i}.mlp.experts.down_proj.weight", ["down_proj"], "own")],
     "mindformers": [("model.layers.{i}.feed_forward.routed_experts.ffn.w1.weight", ["gate_proj"], "stack"),
                     ("model.layers.{i}.feed_forward.routed_experts.ffn.w2.weight", ["down_proj"], "stack"),
                     ("model.layers.{i}.feed_forward.routed_experts.ffn.w3.weight", ["up_proj"], "stack")],

@@ -23,6 +23,7 @@ from mindspore.common.initializer import Normal, initializer
 from mindqwen import backend
 from mindqwen.config import QwenConfig
 from mindqwen.io import convert, hf
+from mindqwen.io.experts import stack_experts
 from mindqwen.io.safetensors import CheckpointError
 
 # Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
@@ -286,6 +287,70 @@ class Router(nn.Cell):
         return self.matmul(x.astype(ms.float32), self.weight.astype(ms.float32))
 
 
+class ExpertLinear(nn.Cell):
+    """One projection of all E experts of a layer, stacked: ``weight`` [E, out, in], whose slice e
+    is HF's ``mlp.experts.{e}.<proj>.weight`` (``mindqwen.io.experts`` stacks and splits them).
+
+    A handful of matmuls for all experts instead of E (compile time at 64-128 experts), and the
+    [E, ·, ·] tensor that expert parallel splits by expert. Three forms:
+    ``construct`` runs each expert on its own tokens (E, T, in) → (E, T, out); ``fan_out`` runs
+    every expert on every token (N, in) → (N, E, out); ``fan_in`` sums the experts' outputs
+    (N, E, in) → (N, out). The last two are single 2-D matmuls over the experts side by side.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, dtype=ms.float32):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.weight = Parameter(initializer(Normal(INIT_STD), (num_experts, out_features, in_features), dtype),
+                                name="weight")
+        self.bmm = ops.BatchMatMul(transpose_b=True)
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.compute_dtype = None  # as Linear's
+
+    def construct(self, x):
+        """x (E, T, in) → (E, T, out): expert e's tokens through expert e's weight."""
+        x3, w = self._cast(x, self.weight)
+        return self.bmm(x3, w).astype(x.dtype)
+
+    def fan_out(self, x2):
+        """x2 (N, in) → (N, E, out): every expert on every token, one (N, in)·(in, E·out) matmul."""
+        x2c, w = self._cast(x2, self.weight)
+        y = self.matmul(x2c, w.reshape(-1, self.in_features))  # (N, E·out)
+        return y.reshape(x2.shape[0], self.num_experts, self.out_features).astype(x2.dtype)
+
+    def fan_in(self, h):
+        """h (N, E, in) → Σ_e h[:, e]·W[e]ᵀ (N, out), one (N, E·in)·(E·in, out) matmul."""
+        hc, w = self._cast(h, self.weight)
+        w = w.transpose(1, 0, 2).reshape(self.out_features, -1)  # (out, E·in)
+        return self.matmul(hc.reshape(h.shape[0], -1), w).astype(h.dtype)
+
+    def _cast(self, x, w):
+        if self.compute_dtype is not None:
+            return x.astype(self.compute_dtype), w.astype(self.compute_dtype)
+        return x, w
+
+
+class Experts(nn.Cell):
+    """The routed SwiGLU experts of a layer (``mlp.experts``), stacked."""
+
+    def __init__(self, config: QwenConfig, dtype=ms.float32):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = ExpertLinear(e, h, i, dtype)
+        self.up_proj = ExpertLinear(e, h, i, dtype)
+        self.down_proj = ExpertLinear(e, i, h, dtype)
+
+    def construct(self, x):
+        """x (E, T, H) → (E, T, H): expert e on its own T tokens."""
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def weighted_sum(self, x2, weights):
+        """x2 (N, H), weights (N, E) → Σ_e w[:, e]·expert_e(x2) (N, H): every expert on every
+        token, weighted before the (linear) down projection so the sum over experts is one matmul."""
+        h = ops.silu(self.gate_proj.fan_out(x2)) * self.up_proj.fan_out(x2)  # (N, E, I)
+        return self.down_proj.fan_in(h * weights.expand_dims(-1))
+
+
 class SparseMoeBlock(nn.Cell):
     """Mixture of SwiGLU experts (Qwen2-MoE, Qwen3-MoE), with Qwen2-MoE's gated shared expert.
 
@@ -294,12 +359,11 @@ class SparseMoeBlock(nn.Cell):
         y = Σ_e w[:, e] · expert_e(x)  (+ sigmoid(shared_expert_gate(x)) · shared_expert(x))
 
     Every expert runs on every token and is weighted by w (0 for the tokens that did not pick it):
-    static shapes, HF's sum order (experts in index order), no token ever dropped, and an expert
-    no token picked gets an exact zero gradient. Training with ``moe_capacity_factor`` f, expert
-    e runs only on the C = ceil(f·N·k/E) tokens with the largest w[:, e], gathered, and its
-    outputs are summed back per token: exact while no expert is picked by more than C tokens
-    (measured on CPU, forward and backward: 1.9× faster at 8 experts top-2, 2.6× at 64 top-8,
-    f = 1.25; docs/performance.md).
+    static shapes, no token ever dropped, and an expert no token picked gets an exact zero
+    gradient. Training with ``moe_capacity_factor`` f, expert e runs only on the C = ceil(f·N·k/E)
+    tokens with the largest w[:, e], gathered into an (E, C, H) batch, and its outputs are summed
+    back per token: exact while no expert is picked by more than C tokens (measured on CPU,
+    forward and backward; docs/performance.md).
     """
 
     def __init__(self, config: QwenConfig, dtype=ms.float32):
@@ -308,8 +372,7 @@ class SparseMoeBlock(nn.Cell):
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.moe_capacity_factor
         self.gate = Router(config.hidden_size, config.num_experts, dtype)
-        self.experts = nn.CellList([MLP(config, dtype, config.moe_intermediate_size)
-                                    for _ in range(config.num_experts)])
+        self.experts = Experts(config, dtype)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = MLP(config, dtype, config.shared_expert_intermediate_size)
@@ -319,13 +382,11 @@ class SparseMoeBlock(nn.Cell):
         """x (B, S, H) → y (B, S, H) and the router logits (B·S, E) fp32."""
         x2 = x.reshape(-1, x.shape[-1])  # (N, H)
         router_logits, weights = self.route(x2)
-        weights = weights.astype(x.dtype)
+        weights = weights.astype(x.dtype)  # (N, E)
         if self.capacity_factor is not None and self.training:
-            y = self._within_capacity(x2, weights)
+            y = self._within_capacity(x2, weights.swapaxes(0, 1))
         else:
-            y = ops.zeros_like(x2)
-            for e, expert in enumerate(self.experts):
-                y = y + expert(x2) * weights[:, e:e + 1]
+            y = self.experts.weighted_sum(x2, weights)
         if self.has_shared_expert:
             y = y + ops.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return y.reshape(x.shape), router_logits
@@ -346,14 +407,14 @@ class SparseMoeBlock(nn.Cell):
         return router_logits, weights
 
     def _within_capacity(self, x2, weights):
-        """x2 (N, H), weights (N, E) → Σ_e w[:, e] · expert_e(x) over each expert's C tokens of
+        """x2 (N, H), weights (E, N) → Σ_e w[e] · expert_e(x) over each expert's C tokens of
         largest weight (tokens that did not pick e have weight 0: they add nothing)."""
-        n = x2.shape[0]
-        capacity = expert_capacity(n, self.top_k, self.num_experts, self.capacity_factor)
-        rows = ops.stop_gradient(ops.topk(weights.swapaxes(0, 1), capacity)[1])  # (E, C) token indices
-        out = [expert(ops.gather(x2, rows[e], 0)) * ops.gather(weights[:, e], rows[e], 0).expand_dims(-1)
-               for e, expert in enumerate(self.experts)]  # E × (C, H)
-        return ops.unsorted_segment_sum(ops.cat(out, 0), rows.reshape(-1), n)
+        n, e = x2.shape[0], self.num_experts
+        capacity = expert_capacity(n, self.top_k, e, self.capacity_factor)
+        rows = ops.stop_gradient(ops.topk(weights, capacity)[1])  # (E, C) token indices
+        xe = ops.gather(x2, rows.reshape(-1), 0).reshape(e, capacity, -1)  # (E, C, H)
+        ye = self.experts(xe) * ops.gather_elements(weights, 1, rows).expand_dims(-1)  # (E, C, H)
+        return ops.unsorted_segment_sum(ye.reshape(e * capacity, -1), rows.reshape(-1), n)
 
 
 def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -736,6 +797,8 @@ class QwenForCausalLM(nn.Cell):
 
     def _set_state(self, state) -> None:
         """Every parameter from ``state`` (HF name → lazy tensor, checked against the config)."""
+        state = dict(state)
+        state.update(stack_experts(state, "stacked"))
         for p in self.get_parameters():
             p.set_data(Tensor(state[p.name].load()).astype(p.dtype))
 

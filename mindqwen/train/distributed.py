@@ -2,10 +2,11 @@
 
 Under ``msrun`` every worker calls :func:`init_parallel`. With only data parallel, each rank reads
 its shard of every global batch and the step all-reduces gradients (``nn.DistributedGradReducer``,
-mean); this runs on CPU and Ascend. With tensor or pipeline parallel degrees > 1, MindSpore's
-semi-auto parallel takes over: :func:`shard_model` puts Megatron's layout on the matmuls as shard
-strategies, :func:`assign_pipeline_stages` splits the decoder layers into stages, and the
-framework inserts the collectives. Semi-auto parallel needs Ascend (or GPU) communication:
+mean); this runs on CPU and Ascend. With tensor, pipeline or expert parallel degrees > 1,
+MindSpore's semi-auto parallel takes over: :func:`shard_model` puts Megatron's layout on the
+matmuls as shard strategies (and splits a mixture of experts' stacked experts by expert over the
+data-parallel replicas), :func:`assign_pipeline_stages` splits the decoder layers into stages,
+and the framework inserts the collectives. Semi-auto parallel needs Ascend (or GPU) communication:
 MindSpore's CPU backend refuses it, so on CPU those degrees fail early with a clear error.
 Outside ``msrun`` nothing is initialised: a single process never needs the launcher.
 """
@@ -29,6 +30,9 @@ class ParallelConfig:
         tensor_parallel: devices one layer's matmuls are split over (Ascend only).
         pipeline_parallel: stages the decoder layers are split into (Ascend only).
         pipeline_micro_batches: micro-batches per step in the pipeline (≥ pipeline_parallel).
+        expert_parallel: groups a mixture of experts' experts are split into, each group held by
+            data_parallel / expert_parallel of the replicas (Ascend only; must divide
+            data_parallel and num_experts).
     The product data · tensor · pipeline must equal the number of devices.
     """
 
@@ -36,11 +40,16 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     pipeline_micro_batches: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "pipeline_micro_batches"):
+        for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "pipeline_micro_batches",
+                     "expert_parallel"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.data_parallel % self.expert_parallel:
+            raise ValueError(f"parallel.expert_parallel={self.expert_parallel} must divide data_parallel="
+                             f"{self.data_parallel} (the experts are split over the data-parallel replicas)")
         if self.pipeline_parallel > 1 and self.pipeline_micro_batches < self.pipeline_parallel:
             raise ValueError(f"parallel.pipeline_micro_batches={self.pipeline_micro_batches} must be at least "
                              f"pipeline_parallel={self.pipeline_parallel} (otherwise stages idle)")
@@ -51,8 +60,8 @@ class ParallelConfig:
 
     @property
     def model_parallel(self) -> bool:
-        """True when tensor or pipeline parallel is used (semi-auto parallel, Ascend)."""
-        return self.tensor_parallel * self.pipeline_parallel > 1
+        """True when tensor, pipeline or expert parallel is used (semi-auto parallel, Ascend)."""
+        return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel > 1
 
 
 def launched_by_msrun() -> bool:
@@ -67,7 +76,8 @@ def init_parallel(parallel: Optional[ParallelConfig] = None) -> Tuple[int, int]:
     parallel = parallel or ParallelConfig()
     if parallel.model_parallel and ms.get_context("device_target") != "Ascend":
         raise ValueError(f"tensor_parallel={parallel.tensor_parallel} / pipeline_parallel="
-                         f"{parallel.pipeline_parallel} need Ascend: MindSpore's semi-auto parallel does not "
+                         f"{parallel.pipeline_parallel} / expert_parallel={parallel.expert_parallel} need "
+                         "Ascend: MindSpore's semi-auto parallel does not "
                          f"run on the {ms.get_context('device_target')} backend; use data_parallel only")
     if not launched_by_msrun():
         if parallel.devices > 1:
@@ -104,6 +114,9 @@ def check_model_layout(config, parallel: ParallelConfig, lora_rank: int = 0) -> 
             raise ValueError(f"tensor_parallel={tp} must divide {name}={getattr(config, name)}")
     if lora_rank % tp:
         raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {lora_rank}")
+    if parallel.expert_parallel > 1 and (not config.num_experts or config.num_experts % parallel.expert_parallel):
+        raise ValueError(f"expert_parallel={parallel.expert_parallel} must divide num_experts={config.num_experts}"
+                         + (" (this model is dense: use expert_parallel=1)" if not config.num_experts else ""))
     if pp > config.num_hidden_layers:
         raise ValueError(f"pipeline_parallel={pp} exceeds num_hidden_layers={config.num_hidden_layers}")
     if config.tie_word_embeddings and pp > 1:
@@ -111,7 +124,7 @@ def check_model_layout(config, parallel: ParallelConfig, lora_rank: int = 0) -> 
                          "stage; use pipeline_parallel=1 for this model (tensor or data parallel instead)")
 
 
-def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> None:
+def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert_parallel: int = 1) -> None:
     """Megatron's tensor-parallel layout as shard strategies (2-D matmul operands: x (T, in), W (out, in)).
 
     - column-parallel q/k/v/gate/up: W split by output rows → each device holds whole heads and
@@ -119,28 +132,39 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int) -> Non
     - row-parallel o/down: W split by input columns → partial sums, all-reduced by the framework;
     - attention batch-matmuls split by KV-head group, so a device attends only to its heads;
     - the LM head split by vocabulary;
-    - a mixture of experts: every expert and the shared expert split like the MLP, routers whole.
+    - a mixture of experts: the stacked experts (x (E, C, in), W (E, out, in)) split by expert
+      into ``expert_parallel`` groups over the data-parallel replicas and within an expert like
+      the MLP; the shared expert like the MLP; the routers whole.
     LoRA layers keep the base layer's strategy; their rank must divide by tensor_parallel.
     """
-    from mindqwen.lora import LoRALayer
-    dp, tp = data_parallel, tensor_parallel
-    check_model_layout(model.config, ParallelConfig(dp, tp))
+    from mindqwen.lora import ExpertLoRALayer, LoRALayer
+    dp, tp, ep = data_parallel, tensor_parallel, expert_parallel
+    check_model_layout(model.config, ParallelConfig(dp, tp, expert_parallel=ep))
     column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
+    expert_column, expert_row = ((ep, dp // ep, 1), (ep, tp, 1)), ((ep, dp // ep, tp), (ep, 1, tp))
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        swiglus = [mlp]
-        if layer.sparse:  # each expert (and the shared one) split like a dense MLP; the routers whole
-            swiglus = list(mlp.experts) + ([mlp.shared_expert] if mlp.has_shared_expert else [])
+        swiglus, linears = [mlp], []
+        if layer.sparse:
+            experts = mlp.experts
+            linears = [(experts.gate_proj, expert_column), (experts.up_proj, expert_column),
+                       (experts.down_proj, expert_row)]
+            # every expert on every token (inference, no capacity): the experts side by side in
+            # one 2-D matmul, split by expert and within it over ep·tp devices
+            for proj in (experts.gate_proj, experts.up_proj):
+                proj.matmul.shard(((dp // ep, 1), (ep * tp, 1)))
+            experts.down_proj.matmul.shard(((dp // ep, ep * tp), (1, ep * tp)))
+            swiglus = [mlp.shared_expert] if mlp.has_shared_expert else []
             mlp.gate.matmul.shard(((dp, 1), (1, 1)))
             if mlp.has_shared_expert:
                 mlp.shared_expert_gate.matmul.shard(((dp, 1), (1, 1)))
-        linears = [(attn.q_proj, column), (attn.k_proj, column), (attn.v_proj, column), (attn.o_proj, row)]
+        linears += [(attn.q_proj, column), (attn.k_proj, column), (attn.v_proj, column), (attn.o_proj, row)]
         for m in swiglus:
             linears += [(m.gate_proj, column), (m.up_proj, column), (m.down_proj, row)]
         for linear, strategy in linears:
-            if isinstance(linear, LoRALayer) and linear.lora_a.shape[0] % tp:
-                raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {linear.lora_a.shape[0]}")
-            linear.matmul.shard(strategy)
+            if isinstance(linear, (LoRALayer, ExpertLoRALayer)) and linear.lora_a.shape[-2] % tp:
+                raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {linear.lora_a.shape[-2]}")
+            (linear.bmm if len(strategy[0]) == 3 else linear.matmul).shard(strategy)
         attn.bmm_qk.shard(((dp, tp, 1, 1), (dp, tp, 1, 1)))  # (B, KV, n_rep·S, D) · (B, KV, T, D)ᵀ
         attn.bmm_pv.shard(((dp, tp, 1, 1), (dp, tp, 1, 1)))  # (B, KV, n_rep·S, T) · (B, KV, T, D)
     head = model.head_matmul if model.tied else model.lm_head.matmul
@@ -165,7 +189,7 @@ def setup_model_parallel(model: nn.Cell, parallel: ParallelConfig, output_dir: s
     Each rank checkpoints its own slices; ``strategy.ckpt`` (the layout, written at compile time)
     lets ``mindspore.parallel.transform_checkpoints`` merge them into one full checkpoint.
     """
-    shard_model(model, parallel.data_parallel, parallel.tensor_parallel)
+    shard_model(model, parallel.data_parallel, parallel.tensor_parallel, parallel.expert_parallel)
     assign_pipeline_stages(model, parallel.pipeline_parallel)
     folder = os.path.join(output_dir, f"rank_{rank}")
     ms.set_auto_parallel_context(strategy_ckpt_config={"save_file": os.path.join(folder, "strategy.ckpt")})

@@ -22,7 +22,7 @@ from mindqwen.data.sources import load_pretrain, load_split
 from mindqwen.data.tokenizer import SentencePieceTokenizer
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.lora import apply_lora
-from mindqwen.models.qwen import Linear, QwenForCausalLM
+from mindqwen.models.qwen import ExpertLinear, Linear, QwenForCausalLM
 from mindqwen.train.distributed import check_model_layout
 from mindqwen.train.precision import check_device_support
 from mindqwen.train.model import model_config
@@ -176,12 +176,14 @@ def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
         try:
             if tiny:
                 apply_lora(model, recipe.lora)
-            elif not any(recipe.lora.matches(name) for name, cell in model.cells_and_names() if isinstance(cell, Linear)):
+            elif not any(recipe.lora.matches(name) for name, cell in model.cells_and_names()
+                         if isinstance(cell, (Linear, ExpertLinear))):
                 raise ValueError(f"target_modules={recipe.lora.target_modules!r} matches no module")
         except ValueError as e:
             raise RecipeError(f"{path}: lora.target_modules: {e}") from None
     total = sum(p.size for p in model.get_parameters())
     p = recipe.parallel
+    experts = f" (experts split {p.expert_parallel} ways)" if p.expert_parallel > 1 else ""
     built_note = f" (built tiny: {built.num_hidden_layers} layers, hidden {built.hidden_size})" if tiny else ""
     if recipe.lora is None:
         training = "full fine-tune"
@@ -194,7 +196,7 @@ def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
             f"  model: {config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}{built_note}\n"
             f"  data: {data}\n"
             f"  training: {training}\n"
-            f"  parallel: dp {p.data_parallel} × tp {p.tensor_parallel} × pp {p.pipeline_parallel} = {p.devices} devices")
+            f"  parallel: dp {p.data_parallel}{experts} × tp {p.tensor_parallel} × pp {p.pipeline_parallel} = {p.devices} devices")
 
 
 def validate_recipe(path: str, overrides: Sequence[str] = (), tiny: bool = False) -> str:

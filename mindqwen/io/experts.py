@@ -1,0 +1,95 @@
+"""A mixture of experts' routed-expert tensors: HF's one per expert ⇄ one per layer, stacked.
+
+HF checkpoints store ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in]
+per expert. mindqwen's parameters (``models/qwen.py`` ``ExpertLinear``) and its ``.ckpt`` stack
+each projection [E, out, in] (layout "own"); mindformers stacks them transposed [E, in, out]
+("stack") or flattened [E·in, out] ("flat"), gate and up concatenated (``key_maps.EXPERTS``).
+Both directions are lazy: a stacked tensor is built when it is loaded, and a split one is read
+once for all its experts and released after the last.
+"""
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Dict, List
+
+import numpy as np
+
+from mindqwen.io.key_maps import EXPERTS
+from mindqwen.io.safetensors import LazyTensor
+
+EXPERT = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def stack_experts(state: Dict[str, LazyTensor], fmt: str) -> Dict[str, LazyTensor]:
+    """Pop the per-expert HF tensors of ``state``; return them stacked as ``fmt`` stores them.
+
+    A layer whose experts are not all present (a partial checkpoint) is left unstacked.
+    """
+    counts: Dict[str, int] = {}
+    for key in state:
+        m = _EXPERT_KEY.match(key)
+        if m:
+            counts[m.group(1)] = max(counts.get(m.group(1), 0), int(m.group(2)) + 1)
+    out = {}
+    for i, num in counts.items():
+        for foreign, projs, layout in EXPERTS[fmt]:
+            keys = [[EXPERT.format(i=i, e=e, proj=p) for p in projs] for e in range(num)]
+            if not all(k in state for parts in keys for k in parts):
+                continue
+            members = [[state.pop(k) for k in parts] for parts in keys]
+            rows, cols = sum(m.shape[0] for m in members[0]), members[0][0].shape[1]
+            shape = {"own": (num, rows, cols), "stack": (num, cols, rows), "flat": (num * cols, rows)}[layout]
+            out[foreign.format(i=i)] = LazyTensor(shape, members[0][0].dtype, partial(
+                _stack, members, layout == "own", shape))
+    return out
+
+
+def _stack(members: List[List[LazyTensor]], own: bool, shape: tuple) -> np.ndarray:
+    experts = [np.concatenate([m.load() for m in parts], 0) for parts in members]  # E × [out, in]
+    return np.stack(experts if own else [w.T for w in experts]).reshape(shape)
+
+
+def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) -> Dict[str, LazyTensor]:
+    """Inverse of ``stack_experts``: pop the stacked tensors, return HF per-expert tensors."""
+    out = {}
+    for foreign, projs, layout in EXPERTS[fmt]:
+        pattern = re.compile(re.escape(foreign).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+        for name in [k for k in state if pattern.match(k)]:
+            i = pattern.match(name).group("i")
+            whole = state.pop(name)
+            if not num_experts or whole.shape[0] % num_experts or len(whole.shape) not in (2, 3):
+                raise ValueError(f"{name} has shape {list(whole.shape)}: not {num_experts} stacked experts")
+            split = _Split(whole, num_experts, len(projs), layout == "own")
+            if layout == "own":
+                rows, cols = whole.shape[1] // len(projs), whole.shape[2]
+            else:
+                rows = whole.shape[-1] // len(projs)
+                cols = whole.shape[-2] if len(whole.shape) == 3 else whole.shape[0] // num_experts
+            for e in range(num_experts):
+                for j, proj in enumerate(projs):
+                    out[EXPERT.format(i=i, e=e, proj=proj)] = LazyTensor((rows, cols), whole.dtype,
+                                                                         partial(split.take, e, j))
+    return out
+
+
+class _Split:
+    """The parts of one stacked expert tensor, computed on first use and dropped after the last."""
+
+    def __init__(self, whole: LazyTensor, num_experts: int, num_parts: int, own: bool):
+        self.whole, self.num_experts, self.num_parts, self.own = whole, num_experts, num_parts, own
+        self.parts, self.left = None, 0
+
+    def take(self, expert: int, part: int) -> np.ndarray:
+        if self.parts is None:
+            w = self.whole.load()
+            w = w.reshape(self.num_experts, -1, w.shape[-1])  # (E, out, in) own, else (E, in, out)
+            self.parts = [np.split(np.ascontiguousarray(w[e] if self.own else w[e].T), self.num_parts, 0)
+                          for e in range(self.num_experts)]
+            self.left = self.num_experts * self.num_parts
+        a = self.parts[expert][part]
+        self.left -= 1
+        if self.left == 0:
+            self.parts = None
+        return a
