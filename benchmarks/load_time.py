@@ -23,12 +23,11 @@ from train import SHAPES, shape_config
 def write_folder(shape: str, folder: str) -> int:
     """A random HF folder of ``shape``; returns its tensor bytes."""
     import numpy as np
-    from mindqwen import QwenConfig, QwenForCausalLM
-    from mindqwen.io.hf import no_init_parameters, save_tensors
+    from mindqwen import QwenConfig
     from mindqwen.io.safetensors import LazyTensor
+    from mindqwen.io.hf import save_tensors
     config = QwenConfig(**shape_config(shape))
-    with no_init_parameters():
-        names = {p.name: tuple(p.shape) for p in QwenForCausalLM(config).get_parameters()}
+    names = config.tensor_shapes()  # HF's names (a mixture of experts' experts one by one)
     rng = np.random.default_rng(0)
 
     def draw(shape):

@@ -211,7 +211,8 @@ class QwenConfig:
 
     def tensor_shapes(self) -> Dict[str, tuple]:
         """HF name → shape of every weight of the model this config describes: the layout of its
-        checkpoint (``QwenForCausalLM``'s parameters, checked against them by the tests)."""
+        HF checkpoint (``mindqwen.io.hf.model_state`` of ``QwenForCausalLM``, checked against it by
+        the tests; the model itself stacks a mixture of experts' experts)."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
 

@@ -481,7 +481,7 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
         raise ValueError(f"LoraConfig.target_modules matches the expert router {routers[0]}, which takes no "
                          "LoRA: leave it frozen (the default) or train it in full with modules_to_save=['gate']")
     linears = [(path, cell) for path, cell in root.cells_and_names() if isinstance(cell, (Linear, ExpertLinear))]
-    targets = [(path, cell) for path, cell in linears if _targeted(config, path, cell)]
+    targets = [(path, cell) for path, cell in linears if is_target(config, path, cell)]
     if not targets:
         names = sorted({p.rsplit(".", 1)[-1] for p, _ in linears})
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module "
@@ -495,7 +495,7 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
     return [path for path, _ in targets]
 
 
-def _targeted(config: LoraConfig, path: str, cell: nn.Cell) -> bool:
+def is_target(config: LoraConfig, path: str, cell: nn.Cell) -> bool:
     """Whether ``config`` adapts the module at ``path``; stacked experts are matched as PEFT
     matches HF's modules, one per expert (``…mlp.experts.{e}.up_proj``), all or none."""
     if not isinstance(cell, ExpertLinear):
@@ -672,7 +672,7 @@ def load_adapter(model: nn.Cell, folder: str, allow_non_finite: bool = False) ->
         raise CheckpointError(f"{w_path}: missing adapter tensors {', '.join(missing[:6])}")
     named = {key[len(PEFT_PREFIX):].replace(".lora_A.weight", ".lora_a").replace(".lora_B.weight", ".lora_b"): (key, a)
              for key, a in arrays.items()}
-    named.update(_stack_experts(named))
+    named.update(_stack_experts(named, w_path))
     for name, (key, array) in named.items():
         if name not in params:
             raise CheckpointError(f"{w_path}: tensor {key} targets {name}, which the model does not have")
@@ -685,7 +685,7 @@ def load_adapter(model: nn.Cell, folder: str, allow_non_finite: bool = False) ->
     return model
 
 
-def _stack_experts(named: Dict[str, tuple]) -> Dict[str, tuple]:
+def _stack_experts(named: Dict[str, tuple], source: str) -> Dict[str, tuple]:
     """Pop the per-expert tensors of ``named`` (name → (file key, array)); return them stacked
     under the model's names, keyed by a description of their file keys."""
     groups: Dict[str, Dict[int, tuple]] = {}
@@ -696,7 +696,8 @@ def _stack_experts(named: Dict[str, tuple]) -> Dict[str, tuple]:
     for name, parts in groups.items():
         key = re.sub(r"\.experts\.\d+\.", ".experts.<e>.", parts[min(parts)][0])
         if sorted(parts) != list(range(len(parts))):
-            raise CheckpointError(f"{key}: experts {sorted(set(range(max(parts) + 1)) - set(parts))} are missing")
+            raise CheckpointError(f"{source}: {key}: experts {sorted(set(range(max(parts) + 1)) - set(parts))} "
+                                  "are missing")
         out[name] = (key, np.stack([parts[e][1] for e in range(len(parts))]))
     return out
 

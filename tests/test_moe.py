@@ -2,6 +2,8 @@
 logits, hidden states, router logits, the cross-entropy and HF's load-balancing loss, greedy
 generation with the KV cache, a PEFT adapter's logits and gradients, merge; and training through
 ``fit`` (gradients reach exactly the experts that received tokens)."""
+import os
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -70,6 +72,16 @@ def test_logits_router_logits_and_losses_match_hf_in_graph_mode(name):
     assert model.aux_loss_coef == 0.001  # router_aux_loss_coef of config.json
     ce = loss_with_aux - model.aux_loss_coef * aux
     assert abs(ce / float(ref["loss"]) - 1) <= TOL  # HF's default loss: the cross-entropy alone
+
+
+def test_the_batched_exact_path_of_sharded_layers_matches_hf():
+    """Under semi-auto parallel the exact path runs the experts as (E, N, H) batches (one shard
+    layout of the weights in every graph); on CPU it is the same function: HF's logits."""
+    ref, model = reference("qwen2_moe_tiny"), base("qwen2_moe_tiny")
+    for layer in model.model.layers:
+        if layer.sparse:
+            layer.mlp.batched = True
+    assert np.abs(model(ids_of("qwen2_moe_tiny")).asnumpy() - ref["logits"]).max() <= LOGITS_TOL
 
 
 def test_model_call_adds_the_weighted_aux_loss_and_coef_zero_leaves_the_cross_entropy():
@@ -260,6 +272,45 @@ def test_mindformers_expert_layouts_are_what_their_converters_write(tmp_path):
     with pytest.raises(ValueError, match="no qwen3_moe model in the 'mindformers' naming; use 'mindformers-mcore'"):
         convert(fixture_path("qwen3_moe_tiny", "base"), str(tmp_path / "x.ckpt"), "hf", "mindformers")
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_stacked_experts_of_another_count_and_a_partial_load_are_handled(tmp_path):
+    """A stacked tensor holding other than num_experts experts names itself; strict=False on a
+    folder missing one expert's tensor loads every other expert and reports the missing key."""
+    import shutil
+    from mindqwen.io.experts import unstack_experts
+    from mindqwen.io.hf import load_weights
+    from mindqwen.io.safetensors import LazyTensor, SafetensorsFile, save_file
+    eight = {"model.layers.1.mlp.experts.up_proj.weight": LazyTensor((8, 32, 64), np.dtype(np.float32), None)}
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.up_proj.weight has shape \[8, 32, 64\]: not 4"):
+        unstack_experts(eight, "stacked", 4)
+
+    src = fixture_path("qwen3_moe_tiny", "base")
+    f = SafetensorsFile(os.path.join(src, "model.safetensors"))
+    gone = "model.layers.1.mlp.experts.2.up_proj.weight"
+    os.makedirs(tmp_path / "partial")
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "partial")
+    save_file({k: f.get(k) for k in f.keys() if k != gone}, str(tmp_path / "partial" / "model.safetensors"))
+    model = QwenForCausalLM(QwenConfig.from_hf(src))
+    before = model_state(model)[gone].load().copy()
+    missing, unexpected = load_weights(model, str(tmp_path / "partial"), strict=False)
+    assert (missing, unexpected) == ([gone], [])
+    state = model_state(model)
+    assert np.array_equal(state[gone].load(), before)  # left as it was
+    for e in (0, 1, 3):
+        key = f"model.layers.1.mlp.experts.{e}.up_proj.weight"
+        assert np.array_equal(state[key].load(), f.get(key))
+
+
+def test_amp_reaches_lora_on_experts():
+    from mindqwen import LoraConfig, apply_lora
+    from mindqwen.lora import ExpertLoRALayer
+    from mindqwen.train.precision import PrecisionConfig, apply_precision
+    model = apply_lora(base("qwen3_moe_tiny"), LoraConfig(target_modules=["q_proj", "up_proj"]))
+    apply_precision(model, PrecisionConfig(level="O1", dtype="float16"))
+    experts = [c for _, c in model.cells_and_names() if isinstance(c, ExpertLoRALayer)]
+    assert experts and all(c.compute_dtype == ms.float16 for c in experts)
+    assert np.isfinite(model(ids_of("qwen3_moe_tiny")).asnumpy()).all()
 
 
 # ------------------------------------------------------------------------------ LoRA on experts

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -22,16 +22,17 @@ EXPERT = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
 _EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def stack_experts(state: Dict[str, LazyTensor], fmt: str) -> Dict[str, LazyTensor]:
+def stack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int = 0) -> Dict[str, LazyTensor]:
     """Pop the per-expert HF tensors of ``state``; return them stacked as ``fmt`` stores them.
 
-    A layer whose experts are not all present (a partial checkpoint) is left unstacked.
+    ``num_experts`` (default: as many as the keys number) experts make a layer; a projection
+    with any of them absent (a partial checkpoint) is left unstacked in ``state``.
     """
     counts: Dict[str, int] = {}
     for key in state:
         m = _EXPERT_KEY.match(key)
         if m:
-            counts[m.group(1)] = max(counts.get(m.group(1), 0), int(m.group(2)) + 1)
+            counts[m.group(1)] = num_experts or max(counts.get(m.group(1), 0), int(m.group(2)) + 1)
     out = {}
     for i, num in counts.items():
         for foreign, projs, layout in EXPERTS[fmt]:
@@ -59,7 +60,9 @@ def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) ->
         for name in [k for k in state if pattern.match(k)]:
             i = pattern.match(name).group("i")
             whole = state.pop(name)
-            if not num_experts or whole.shape[0] % num_experts or len(whole.shape) not in (2, 3):
+            wrong = (len(whole.shape) != 3 or whole.shape[0] != num_experts if layout == "own" else
+                     len(whole.shape) not in (2, 3) or whole.shape[0] % num_experts)
+            if not num_experts or wrong:
                 raise ValueError(f"{name} has shape {list(whole.shape)}: not {num_experts} stacked experts")
             split = _Split(whole, num_experts, len(projs), layout == "own")
             if layout == "own":
@@ -72,6 +75,12 @@ def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) ->
                     out[EXPERT.format(i=i, e=e, proj=proj)] = LazyTensor((rows, cols), whole.dtype,
                                                                          partial(split.take, e, j))
     return out
+
+
+def expert_slice(name: str) -> Optional[Tuple[str, int]]:
+    """An HF per-expert name → (the model's stacked parameter, the expert's index); else None."""
+    m = _EXPERT_KEY.match(name)
+    return (f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.weight", int(m.group(2))) if m else None
 
 
 class _Split:

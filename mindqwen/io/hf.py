@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from mindqwen.config import QwenConfig
 from mindqwen.io.atomic import staged_files
-from mindqwen.io.experts import stack_experts, unstack_experts
+from mindqwen.io.experts import expert_slice, stack_experts, unstack_experts
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
 
@@ -101,7 +101,6 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
         raise CheckpointError(f"{folder}: checkpoint does not match the "
                               f"{config.model_type} config: " + "; ".join(p for p in parts if p))
     params = {p.name: p for p in model.get_parameters()}
-    np_dtype = np.float16 if next(iter(params.values())).dtype == ms.float16 else np.float32
     state = {}
     for key, name in names.items():
         if name not in expected:
@@ -110,11 +109,20 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
         if tuple(f.shape(key)) != tuple(expected[name]):
             raise CheckpointError(f"{f.path}: tensor {key} has shape {list(f.shape(key))}, "
                                   f"the model expects {list(expected[name])}")
-        state[name] = LazyTensor(tuple(f.shape(key)), np.dtype(np_dtype), partial(f.get, key, np_dtype))
-    state.update(stack_experts(state, "stacked"))  # HF's per-expert tensors → the model's stacked ones
+        target = params[(expert_slice(name) or (name,))[0]]
+        np_dtype = np.dtype(np.float16 if target.dtype == ms.float16 else np.float32)
+        state[name] = LazyTensor(tuple(f.shape(key)), np_dtype, partial(f.get, key, np_dtype))
+    # HF's per-expert tensors → the model's stacked ones; a projection missing some experts
+    # (strict=False) gets the present ones slice by slice
+    state.update(stack_experts(state, "stacked", getattr(config, "num_experts", 0)))
     for name, t in tqdm(sorted(state.items()), desc="loading", unit="tensor", leave=False, disable=len(state) < 64):
         if name in params:
             params[name].set_data(ms.Tensor.from_numpy(t.load()).astype(params[name].dtype))
+        else:
+            stacked, e = expert_slice(name)
+            whole = params[stacked].asnumpy()
+            whole[e] = t.load()
+            params[stacked].set_data(ms.Tensor.from_numpy(whole).astype(params[stacked].dtype))
     return missing, unexpected
 
 

@@ -371,6 +371,9 @@ class SparseMoeBlock(nn.Cell):
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.moe_capacity_factor
+        # Under semi-auto parallel (set by shard_model) the exact path runs the experts as
+        # (E, N, H) batches too: one shard layout of the stacked weights in every graph.
+        self.batched = False
         self.gate = Router(config.hidden_size, config.num_experts, dtype)
         self.experts = Experts(config, dtype)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
@@ -385,6 +388,9 @@ class SparseMoeBlock(nn.Cell):
         weights = weights.astype(x.dtype)  # (N, E)
         if self.capacity_factor is not None and self.training:
             y = self._within_capacity(x2, weights.swapaxes(0, 1))
+        elif self.batched:
+            ye = self.experts(ops.broadcast_to(x2, (self.num_experts,) + x2.shape))  # (E, N, H)
+            y = (ye * weights.swapaxes(0, 1).expand_dims(-1)).sum(0)
         else:
             y = self.experts.weighted_sum(x2, weights)
         if self.has_shared_expert:
@@ -798,7 +804,7 @@ class QwenForCausalLM(nn.Cell):
     def _set_state(self, state) -> None:
         """Every parameter from ``state`` (HF name → lazy tensor, checked against the config)."""
         state = dict(state)
-        state.update(stack_experts(state, "stacked"))
+        state.update(stack_experts(state, "stacked", self.config.num_experts))
         for p in self.get_parameters():
             p.set_data(Tensor(state[p.name].load()).astype(p.dtype))
 

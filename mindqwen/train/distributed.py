@@ -132,16 +132,18 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
     - row-parallel o/down: W split by input columns → partial sums, all-reduced by the framework;
     - attention batch-matmuls split by KV-head group, so a device attends only to its heads;
     - the LM head split by vocabulary;
-    - a mixture of experts: the stacked experts (x (E, C, in), W (E, out, in)) split by expert
-      into ``expert_parallel`` groups over the data-parallel replicas and within an expert like
-      the MLP; the shared expert like the MLP; the routers whole.
+    - a mixture of experts: the stacked experts' batched matmuls (x (E, C, in), W (E, out, in))
+      split by expert into ``expert_parallel`` groups and within an expert like the MLP; the
+      group's tokens whole on each of its devices (C need not divide); the exact path batched
+      the same way (``SparseMoeBlock.batched``), so every graph slices the weights alike; the
+      shared expert like the MLP; the routers whole.
     LoRA layers keep the base layer's strategy; their rank must divide by tensor_parallel.
     """
     from mindqwen.lora import ExpertLoRALayer, LoRALayer
     dp, tp, ep = data_parallel, tensor_parallel, expert_parallel
     check_model_layout(model.config, ParallelConfig(dp, tp, expert_parallel=ep))
     column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
-    expert_column, expert_row = ((ep, dp // ep, 1), (ep, tp, 1)), ((ep, dp // ep, tp), (ep, 1, tp))
+    expert_column, expert_row = ((ep, 1, 1), (ep, tp, 1)), ((ep, 1, tp), (ep, 1, tp))
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         swiglus, linears = [mlp], []
@@ -149,11 +151,7 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
             experts = mlp.experts
             linears = [(experts.gate_proj, expert_column), (experts.up_proj, expert_column),
                        (experts.down_proj, expert_row)]
-            # every expert on every token (inference, no capacity): the experts side by side in
-            # one 2-D matmul, split by expert and within it over ep·tp devices
-            for proj in (experts.gate_proj, experts.up_proj):
-                proj.matmul.shard(((dp // ep, 1), (ep * tp, 1)))
-            experts.down_proj.matmul.shard(((dp // ep, ep * tp), (1, ep * tp)))
+            mlp.batched = True
             swiglus = [mlp.shared_expert] if mlp.has_shared_expert else []
             mlp.gate.matmul.shard(((dp, 1), (1, 1)))
             if mlp.has_shared_expert:

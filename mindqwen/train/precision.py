@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import nn
 
-from mindqwen.lora import LoRALayer
+from mindqwen.lora import ExpertLoRALayer, LoRALayer
 from mindqwen.models.graph import invalidate_compiled_graphs
 from mindqwen.models.qwen import ExpertLinear, Linear, QwenModel
 
@@ -75,7 +75,7 @@ def apply_precision(model: nn.Cell, config: PrecisionConfig) -> None:
     check_device_support(config, ms.get_context("device_target"))
     low = LOW_DTYPES[config.dtype] if config.level != "O0" else None
     for _, cell in model.cells_and_names():
-        if isinstance(cell, (Linear, LoRALayer, ExpertLinear)):
+        if isinstance(cell, (Linear, LoRALayer, ExpertLinear, ExpertLoRALayer)):
             cell.compute_dtype = low
         elif isinstance(cell, QwenModel):
             cell.hidden_dtype = low if config.level in ("O2", "O3") else None

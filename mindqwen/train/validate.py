@@ -21,7 +21,7 @@ from mindqwen.config import QwenConfig
 from mindqwen.data.sources import load_pretrain, load_split
 from mindqwen.data.tokenizer import SentencePieceTokenizer
 from mindqwen.io.hf import no_init_parameters
-from mindqwen.lora import apply_lora
+from mindqwen.lora import apply_lora, is_target
 from mindqwen.models.qwen import ExpertLinear, Linear, QwenForCausalLM
 from mindqwen.train.distributed import check_model_layout
 from mindqwen.train.precision import check_device_support
@@ -176,7 +176,7 @@ def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
         try:
             if tiny:
                 apply_lora(model, recipe.lora)
-            elif not any(recipe.lora.matches(name) for name, cell in model.cells_and_names()
+            elif not any(is_target(recipe.lora, name, cell) for name, cell in model.cells_and_names()
                          if isinstance(cell, (Linear, ExpertLinear))):
                 raise ValueError(f"target_modules={recipe.lora.target_modules!r} matches no module")
         except ValueError as e:
