@@ -152,14 +152,30 @@ def lora_counts(config: QwenConfig, lora, expert_parallel: int = 1) -> float:
 
 
 def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_precision: bool,
-                               flash: bool) -> float:
-    """What one decoder layer keeps for backward, for ``tokens`` = micro_batch × seq."""
+                               flash: bool, sharded: bool = False, expert_parallel: int = 1) -> float:
+    """What one decoder layer keeps for backward, for ``tokens`` = micro_batch × seq (a mixture
+    of experts: ``expert_activation_bytes``)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_attention_heads
     act = 2 if low_precision else 4
-    hidden = tokens * (12 * h + 4 * i) * act  # norms (fp32 copies), q/k/v, rotary, attention out, MLP
+    mlp = (expert_activation_bytes(config, tokens, act, sharded, expert_parallel) if config.num_experts
+           else tokens * 4 * i * act)
+    hidden = tokens * 12 * h * act + mlp  # norms (fp32 copies), q/k/v, rotary, attention out; MLP
     # fp32 scores and probabilities; flash attention (Ascend) keeps only per-row softmax statistics
     scores = tokens * n * 4 * 2 if flash else tokens * n * seq * 4 * 2
     return hidden + scores
+
+
+def expert_activation_bytes(config: QwenConfig, tokens: int, act: int, sharded: bool, expert_parallel: int) -> float:
+    """A mixture-of-experts layer's MLP part: every (token, expert) row the experts compute keeps
+    gate, up, their SwiGLU and product (4·I), plus its own copy of the token (H) when gathered
+    (capacity) or batched (sharded); exact, every expert computes every token, ``moe_capacity_factor``
+    f about f·k rows per token; the rows split ``expert_parallel`` ways; the router's fp32 logits,
+    probabilities and weights; the shared expert as a dense MLP."""
+    e, f = config.num_experts, config.moe_capacity_factor
+    rows = tokens * (e if f is None else min(e, f * config.num_experts_per_tok))
+    gathered = f is not None or sharded
+    routed = rows * (4 * config.moe_intermediate_size + (config.hidden_size if gathered else 0)) * act
+    return routed / expert_parallel + tokens * e * 4 * 3 + tokens * 4 * config.shared_expert_intermediate_size * act
 
 
 def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq: int, device: str) -> Estimate:
@@ -184,7 +200,8 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     micro = parallel.pipeline_micro_batches if pp > 1 else 1
     tokens = trainer.micro_batch_size * seq // micro
     in_flight = tokens * min(pp, micro)
-    per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash) / tp
+    per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash,
+                                           tp > 1 or ep > 1, ep) / tp
     # The loss takes the logits in blocks of loss_chunk_rows rows, except under tensor parallel.
     logit_rows = tokens if tp > 1 else min(tokens, config.loss_chunk_rows)
     if cpu:
