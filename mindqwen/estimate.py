@@ -152,12 +152,12 @@ def lora_counts(config: QwenConfig, lora, expert_parallel: int = 1) -> float:
 
 
 def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_precision: bool,
-                               flash: bool, sharded: bool = False, expert_parallel: int = 1) -> float:
+                               flash: bool, sharded: bool = False, tp: int = 1) -> float:
     """What one decoder layer keeps for backward, for ``tokens`` = micro_batch × seq (a mixture
     of experts: ``expert_activation_bytes``)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_attention_heads
     act = 2 if low_precision else 4
-    mlp = (expert_activation_bytes(config, tokens, act, sharded, expert_parallel) if config.num_experts
+    mlp = (expert_activation_bytes(config, tokens, act, sharded, tp) if config.num_experts
            else tokens * 4 * i * act)
     hidden = tokens * 12 * h * act + mlp  # norms (fp32 copies), q/k/v, rotary, attention out; MLP
     # fp32 scores and probabilities; flash attention (Ascend) keeps only per-row softmax statistics
@@ -165,17 +165,19 @@ def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_pr
     return hidden + scores
 
 
-def expert_activation_bytes(config: QwenConfig, tokens: int, act: int, sharded: bool, expert_parallel: int) -> float:
-    """A mixture-of-experts layer's MLP part: every (token, expert) row the experts compute keeps
-    gate, up, their SwiGLU and product (4·I), plus its own copy of the token (H) when gathered
-    (capacity) or batched (sharded); exact, every expert computes every token, ``moe_capacity_factor``
-    f about f·k rows per token; the rows split ``expert_parallel`` ways; the router's fp32 logits,
-    probabilities and weights; the shared expert as a dense MLP."""
+def expert_activation_bytes(config: QwenConfig, tokens: int, act: int, sharded: bool, tp: int = 1) -> float:
+    """A mixture-of-experts layer's MLP part for a device's ``tokens``: every (token, expert) row
+    the experts compute keeps gate, up, their SwiGLU and product (4·I), plus its own copy of the
+    token (H) when gathered (capacity) or batched (``sharded``, semi-auto parallel); exact, every
+    expert computes every token, ``moe_capacity_factor`` f about f·k rows per token. Expert
+    parallel does not change a device's rows (E/ep experts × a dp/ep-th of the global tokens);
+    tensor parallel splits I but not the token copy (the caller divides the layer by ``tp``).
+    Plus the router's fp32 logits, probabilities and weights, and the shared expert as a dense MLP."""
     e, f = config.num_experts, config.moe_capacity_factor
     rows = tokens * (e if f is None else min(e, f * config.num_experts_per_tok))
     gathered = f is not None or sharded
-    routed = rows * (4 * config.moe_intermediate_size + (config.hidden_size if gathered else 0)) * act
-    return routed / expert_parallel + tokens * e * 4 * 3 + tokens * 4 * config.shared_expert_intermediate_size * act
+    routed = rows * (4 * config.moe_intermediate_size + (config.hidden_size * tp if gathered else 0)) * act
+    return routed + tokens * e * 4 * 3 + tokens * 4 * config.shared_expert_intermediate_size * act
 
 
 def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq: int, device: str) -> Estimate:
@@ -201,7 +203,7 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     tokens = trainer.micro_batch_size * seq // micro
     in_flight = tokens * min(pp, micro)
     per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash,
-                                           tp > 1 or ep > 1, ep) / tp
+                                           parallel.model_parallel, tp) / tp
     # The loss takes the logits in blocks of loss_chunk_rows rows, except under tensor parallel.
     logit_rows = tokens if tp > 1 else min(tokens, config.loss_chunk_rows)
     if cpu:

@@ -422,9 +422,11 @@ def test_a_capacity_that_holds_every_assignment_trains_as_hf_and_peft(name):
     assert worst <= GRAD_RTOL
 
 
-def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_share():
+@pytest.mark.parametrize("multiple, capacity", [(1, 8), (3, 9)])
+def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_share(multiple, capacity):
     """One MoE block against numpy: expert e runs on its C = ceil(f·N·k/E) tokens of largest
-    routing weight; an assignment beyond is dropped (its weight counts for nothing); the dropped
+    routing weight (rounded up to a multiple of the devices splitting them, under expert
+    parallel); an assignment beyond is dropped (its weight counts for nothing); the dropped
     share is Σ_e max(count_e − C, 0) / (N·k). In eval the block is exact again."""
     from mindqwen.models.qwen import SparseMoeBlock, dropped_share
     cfg = QwenConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
@@ -436,7 +438,8 @@ def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_sha
         p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
     w = {p.name: p.asnumpy().astype(np.float64) for p in block.get_parameters()}
     x = rng.normal(0, 1, (2, 10, 16)).astype(np.float32)
-    n, k, e_count, capacity = 20, 2, 4, 8  # ceil(0.75 · 20 · 2 / 4) = 8
+    n, k, e_count = 20, 2, 4  # ceil(0.75 · 20 · 2 / 4) = 8; as a multiple of 3: 9
+    block.capacity_multiple = multiple
 
     x2 = x.reshape(n, 16).astype(np.float64)
     logits = x2 @ w["gate.weight"].T
@@ -462,7 +465,7 @@ def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_sha
     block.set_train(True)
     y, router_logits = block(Tensor(x))
     np.testing.assert_allclose(y.asnumpy().reshape(n, 16), capped, atol=1e-5)
-    share = float(dropped_share((router_logits,), k, 0.75).asnumpy())
+    share = float(dropped_share((router_logits,), k, 0.75, multiple).asnumpy())
     assert share == pytest.approx(np.maximum(counts - capacity, 0).sum() / (n * k), abs=1e-7)
     block.set_train(False)
     np.testing.assert_allclose(block(Tensor(x))[0].asnumpy().reshape(n, 16), exact, atol=1e-5)

@@ -121,16 +121,18 @@ def test_pipeline_stages_split_layers_contiguously():
 
 def test_moe_experts_are_split_by_expert_and_like_the_mlp_and_routers_kept_whole():
     """Stacked experts: x (E, C, in) · W (E, out, in)ᵀ split by expert (EP groups over the
-    data-parallel replicas) and like the MLP within an expert."""
+    data-parallel replicas), a group's tokens over its dp/ep devices, and like the MLP within an
+    expert."""
     dp, tp, ep = 4, 2, 2
     model = apply_lora(from_pretrained(fixture_path("qwen2_moe_tiny", "base")),
                        LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "up_proj"]))
     shard_model(model, dp, tp, ep)
     mlp = model.model.layers[1].mlp
     experts = [mlp.experts.gate_proj, mlp.experts.up_proj, mlp.experts.down_proj]
-    assert [p.bmm.attrs["in_strategy"] for p in experts] == [((ep, 1, 1), (ep, tp, 1))] * 2 + [
-        ((ep, 1, tp), (ep, 1, tp))]
+    assert [p.bmm.attrs["in_strategy"] for p in experts] == [((ep, dp // ep, 1), (ep, tp, 1))] * 2 + [
+        ((ep, dp // ep, tp), (ep, 1, tp))]
     assert mlp.batched  # the exact path uses the same batched matmuls: one layout of the weights
+    assert mlp.capacity_multiple == model.capacity_multiple == dp // ep  # C splits over a group's devices
     shared = mlp.shared_expert
     assert (strategy(shared.gate_proj), strategy(shared.up_proj), strategy(shared.down_proj)) == (
         ((dp, 1), (tp, 1)), ((dp, 1), (tp, 1)), ((dp, tp), (1, tp)))

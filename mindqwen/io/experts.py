@@ -60,9 +60,9 @@ def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) ->
         for name in [k for k in state if pattern.match(k)]:
             i = pattern.match(name).group("i")
             whole = state.pop(name)
-            wrong = (len(whole.shape) != 3 or whole.shape[0] != num_experts if layout == "own" else
-                     len(whole.shape) not in (2, 3) or whole.shape[0] % num_experts)
-            if not num_experts or wrong:
+            wrong = not num_experts or (len(whole.shape) != 3 or whole.shape[0] != num_experts if layout == "own"
+                                        else len(whole.shape) not in (2, 3) or whole.shape[0] % num_experts)
+            if wrong:
                 raise ValueError(f"{name} has shape {list(whole.shape)}: not {num_experts} stacked experts")
             split = _Split(whole, num_experts, len(projs), layout == "own")
             if layout == "own":

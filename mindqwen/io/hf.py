@@ -115,14 +115,18 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
     # HF's per-expert tensors → the model's stacked ones; a projection missing some experts
     # (strict=False) gets the present ones slice by slice
     state.update(stack_experts(state, "stacked", getattr(config, "num_experts", 0)))
+    slices: Dict[str, Dict[int, LazyTensor]] = {}
     for name, t in tqdm(sorted(state.items()), desc="loading", unit="tensor", leave=False, disable=len(state) < 64):
         if name in params:
             params[name].set_data(ms.Tensor.from_numpy(t.load()).astype(params[name].dtype))
         else:
             stacked, e = expert_slice(name)
-            whole = params[stacked].asnumpy()
+            slices.setdefault(stacked, {})[e] = t
+    for stacked, present in slices.items():  # one copy of the stacked tensor each
+        whole = params[stacked].asnumpy()
+        for e, t in present.items():
             whole[e] = t.load()
-            params[stacked].set_data(ms.Tensor.from_numpy(whole).astype(params[stacked].dtype))
+        params[stacked].set_data(ms.Tensor.from_numpy(whole).astype(params[stacked].dtype))
     return missing, unexpected
 
 

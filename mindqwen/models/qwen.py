@@ -372,8 +372,10 @@ class SparseMoeBlock(nn.Cell):
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.moe_capacity_factor
         # Under semi-auto parallel (set by shard_model) the exact path runs the experts as
-        # (E, N, H) batches too: one shard layout of the stacked weights in every graph.
+        # (E, N, H) batches too: one shard layout of the stacked weights in every graph; and the
+        # capacity is a multiple of the devices that split an expert group's tokens.
         self.batched = False
+        self.capacity_multiple = 1
         self.gate = Router(config.hidden_size, config.num_experts, dtype)
         self.experts = Experts(config, dtype)
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
@@ -416,25 +418,25 @@ class SparseMoeBlock(nn.Cell):
         """x2 (N, H), weights (E, N) → Σ_e w[e] · expert_e(x) over each expert's C tokens of
         largest weight (tokens that did not pick e have weight 0: they add nothing)."""
         n, e = x2.shape[0], self.num_experts
-        capacity = expert_capacity(n, self.top_k, e, self.capacity_factor)
+        capacity = expert_capacity(n, self.top_k, e, self.capacity_factor, self.capacity_multiple)
         rows = ops.stop_gradient(ops.topk(weights, capacity)[1])  # (E, C) token indices
         xe = ops.gather(x2, rows.reshape(-1), 0).reshape(e, capacity, -1)  # (E, C, H)
         ye = self.experts(xe) * ops.gather_elements(weights, 1, rows).expand_dims(-1)  # (E, C, H)
         return ops.unsorted_segment_sum(ye.reshape(e * capacity, -1), rows.reshape(-1), n)
 
 
-def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(f · N · k / E) tokens per expert, at most N."""
-    return min(tokens, math.ceil(capacity_factor * tokens * top_k / num_experts))
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float, multiple: int = 1) -> int:
+    """C = ceil(f · N · k / E) tokens per expert, rounded up to a multiple of ``multiple``, at most N."""
+    return min(tokens, -(-math.ceil(capacity_factor * tokens * top_k / num_experts) // multiple) * multiple)
 
 
-def dropped_share(router_logits, top_k: int, capacity_factor: float):
+def dropped_share(router_logits, top_k: int, capacity_factor: float, multiple: int = 1):
     """The share of a batch's (token, expert) assignments that ``moe_capacity_factor`` dropped,
     over all MoE layers: Σ_e max(count_e − C, 0) / (N·k) per layer, averaged. router_logits: a
     tuple of (N, E) fp32, one per MoE layer."""
     logits = ops.stop_gradient(ops.stack(router_logits))  # (L, N, E)
     n, num_experts = logits.shape[1], logits.shape[2]
-    capacity = expert_capacity(n, top_k, num_experts, capacity_factor)
+    capacity = expert_capacity(n, top_k, num_experts, capacity_factor, multiple)
     chosen = ops.topk(logits, top_k)[1]  # (L, N, k): softmax keeps the order
     counts = ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum((1, 2))  # (L, E)
     return ops.relu(counts - capacity).sum() / (logits.shape[0] * n * top_k)
@@ -702,6 +704,7 @@ class QwenForCausalLM(nn.Cell):
         self.aux_loss_coef = config.router_aux_loss_coef if config.num_experts else 0.0
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.moe_capacity_factor if config.num_experts else None
+        self.capacity_multiple = 1  # SparseMoeBlock's, for the dropped share (set by shard_model)
 
     def construct(self, input_ids, attention_mask=None, labels=None):
         h, _, router_logits = self.model.run(input_ids, attention_mask)
@@ -725,7 +728,7 @@ class QwenForCausalLM(nn.Cell):
         loss = self.loss(h, labels) + self.aux_loss_coef * aux
         if self.capacity_factor is None:
             return loss, aux
-        return loss, aux, dropped_share(router_logits, self.top_k, self.capacity_factor)
+        return loss, aux, dropped_share(router_logits, self.top_k, self.capacity_factor, self.capacity_multiple)
 
     def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
         """KV-cache step (see ``QwenModel.cached``): next-token logits (B, V) fp32 at the last

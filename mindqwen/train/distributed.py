@@ -133,17 +133,18 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
     - attention batch-matmuls split by KV-head group, so a device attends only to its heads;
     - the LM head split by vocabulary;
     - a mixture of experts: the stacked experts' batched matmuls (x (E, C, in), W (E, out, in))
-      split by expert into ``expert_parallel`` groups and within an expert like the MLP; the
-      group's tokens whole on each of its devices (C need not divide); the exact path batched
-      the same way (``SparseMoeBlock.batched``), so every graph slices the weights alike; the
-      shared expert like the MLP; the routers whole.
+      split by expert into ``expert_parallel`` groups, a group's C tokens over its dp/ep devices
+      (C rounded up to a multiple of dp/ep), and within an expert like the MLP; the exact path
+      batched the same way (``SparseMoeBlock.batched``), so every graph slices the weights alike;
+      the shared expert like the MLP; the routers whole.
     LoRA layers keep the base layer's strategy; their rank must divide by tensor_parallel.
     """
     from mindqwen.lora import ExpertLoRALayer, LoRALayer
     dp, tp, ep = data_parallel, tensor_parallel, expert_parallel
     check_model_layout(model.config, ParallelConfig(dp, tp, expert_parallel=ep))
     column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
-    expert_column, expert_row = ((ep, 1, 1), (ep, tp, 1)), ((ep, 1, tp), (ep, 1, tp))
+    expert_column, expert_row = ((ep, dp // ep, 1), (ep, tp, 1)), ((ep, dp // ep, tp), (ep, 1, tp))
+    model.capacity_multiple = dp // ep
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         swiglus, linears = [mlp], []
@@ -151,7 +152,7 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
             experts = mlp.experts
             linears = [(experts.gate_proj, expert_column), (experts.up_proj, expert_column),
                        (experts.down_proj, expert_row)]
-            mlp.batched = True
+            mlp.batched, mlp.capacity_multiple = True, dp // ep
             swiglus = [mlp.shared_expert] if mlp.has_shared_expert else []
             mlp.gate.matmul.shard(((dp, 1), (1, 1)))
             if mlp.has_shared_expert:

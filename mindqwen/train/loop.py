@@ -84,7 +84,9 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     start = state.get("step", 0)
 
     # 3. steps
-    mb = config.micro_batch_size
+    # Rows per micro-batch this process feeds: micro_batch_size is per device, and under model
+    # parallel every rank feeds the whole global micro-batch, which the shard strategies split dp ways.
+    mb = config.micro_batch_size * (parallel.data_parallel if parallel.model_parallel else 1)
     loader = BatchLoader(train_data, mb * config.gradient_accumulation, config.seed, config.shuffle, rank, world)
     log = MetricsLog(config.output_dir, start, enabled=main)
     if config.tensorboard:

@@ -176,8 +176,8 @@ def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
         try:
             if tiny:
                 apply_lora(model, recipe.lora)
-            elif not any(is_target(recipe.lora, name, cell) for name, cell in model.cells_and_names()
-                         if isinstance(cell, (Linear, ExpertLinear))):
+            elif not any([is_target(recipe.lora, name, cell) for name, cell in model.cells_and_names()
+                          if isinstance(cell, (Linear, ExpertLinear))]):  # every module: a partial expert match raises
                 raise ValueError(f"target_modules={recipe.lora.target_modules!r} matches no module")
         except ValueError as e:
             raise RecipeError(f"{path}: lora.target_modules: {e}") from None
