@@ -82,8 +82,13 @@ def layer_parameters(config: QwenConfig, index: int) -> Tuple[int, int]:
     always = attn + config.num_experts * h  # the router
     if config.shared_expert_intermediate_size:
         always += 3 * h * config.shared_expert_intermediate_size + h  # and its sigmoid gate
-    expert = 3 * h * config.moe_intermediate_size
+    expert = routed_expert_parameters(config) // config.num_experts
     return always + config.num_experts * expert, always + config.num_experts_per_tok * expert
+
+
+def routed_expert_parameters(config: QwenConfig) -> int:
+    """A mixture-of-experts layer's routed experts: E SwiGLUs of width moe_intermediate_size."""
+    return config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
 
 
 def parameter_counts(config: QwenConfig) -> Tuple[int, int, int]:
@@ -187,7 +192,7 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     flash = not cpu  # mindqwen uses flash attention on Ascend
     tp, pp, ep = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel
     layer, embed, head = parameter_counts(config)
-    layer -= config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size * (1 - 1 / ep)
+    layer -= routed_expert_parameters(config) * (1 - 1 / ep)  # a device holds E/ep of the experts
     stage_layers = math.ceil(config.num_hidden_layers / pp)
     first = stage_layers * layer + embed + (0 if pp > 1 else head)
     last = stage_layers * layer + head + (embed if config.tie_word_embeddings and pp == 1 else 0)

@@ -23,6 +23,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import HeUniform, Normal, initializer
 
 from mindqwen.io.atomic import staged_files
+from mindqwen.io.experts import expert_slice, is_stacked, per_expert_names
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.models.graph import invalidate_compiled_graphs
@@ -223,6 +224,20 @@ class LoraConfig:
             raise ValueError(f"{source}: {str(e).removeprefix('LoraConfig: ')}") from None
 
 
+def _a_init(config: LoraConfig):
+    """A's initialiser: N(0, 1/r) for "gaussian", else kaiming-uniform(a=√5), U(±1/√in) (PEFT's default)."""
+    return Normal(1.0 / config.r) if config.init == "gaussian" else HeUniform(negative_slope=math.sqrt(5))
+
+
+def _dropout(x, rate: float, training: bool):
+    """LoRA's input dropout as a drawn mask: nn.Dropout's (output, mask) tuple breaks the
+    graph-mode gradient of the whole model ("func graph is empty: zeros_like", MindSpore 2.10)."""
+    if rate > 0 and training:
+        keep = ops.stop_gradient(ops.rand_like(x, dtype=ms.float32) >= rate)
+        return x * keep.astype(x.dtype) / (1.0 - rate)
+    return x
+
+
 class LoRALayer(nn.Cell):
     """A ``Linear`` plus a low-rank update; owns the base ``weight`` and ``bias``.
 
@@ -243,17 +258,11 @@ class LoRALayer(nn.Cell):
         self.scaling = config.scaling
         self.use_dora = config.use_dora
         self.merged = False
-        if config.init == "gaussian":
-            a_init = Normal(1.0 / r)
-        else:  # kaiming-uniform(a=√5): U(±1/√in), PEFT's default
-            a_init = HeUniform(negative_slope=math.sqrt(5))
-        self.lora_a = Parameter(initializer(a_init, (r, self.in_features), dtype), name=f"{path}.lora_a")
+        self.lora_a = Parameter(initializer(_a_init(config), (r, self.in_features), dtype), name=f"{path}.lora_a")
         self.lora_b = Parameter(initializer("zeros", (self.out_features, r), dtype), name=f"{path}.lora_b")
         self.pissa_init = self._init_pissa() if config.init == "pissa" else None
         if self.use_dora:
             self.lora_magnitude_vector = Parameter(Tensor(self._weight_norm_np()), name=f"{path}.lora_magnitude_vector")
-        # Dropout as a drawn mask: nn.Dropout's (output, mask) tuple breaks the graph-mode gradient
-        # of the whole model ("func graph is empty: zeros_like", MindSpore 2.10).
         self.dropout = float(config.lora_dropout)
         self.matmul = ops.MatMul(transpose_b=True)
         self.compute_dtype = base.compute_dtype
@@ -265,10 +274,7 @@ class LoRALayer(nn.Cell):
         a, b = a.astype(x2.dtype), b.astype(x2.dtype)
         y = self.matmul(x2, w)  # (T, out)
         if not self.merged:
-            xd = x2
-            if self.dropout > 0 and self.training:
-                keep = ops.stop_gradient(ops.rand_like(x2, dtype=ms.float32) >= self.dropout)
-                xd = x2 * keep.astype(x2.dtype) / (1.0 - self.dropout)
+            xd = _dropout(x2, self.dropout, self.training)
             lora = self.matmul(self.matmul(xd, a), b) * self.scaling  # (T, r) -> (T, out)
             if self.use_dora:
                 wd = self.weight.astype(ms.float32) + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
@@ -359,8 +365,7 @@ class ExpertLoRALayer(nn.Cell):
         r = config.r
         self.scaling, self.use_dora, self.pissa_init, self.merged = config.scaling, False, None, False
         # Initialised as E separate [r, in] matrices: kaiming-uniform's bound is 1/√in per expert.
-        a_init = Normal(1.0 / r) if config.init == "gaussian" else HeUniform(negative_slope=math.sqrt(5))
-        a = initializer(a_init, (e * r, self.in_features), ms.float32).init_data().reshape(e, r, self.in_features)
+        a = initializer(_a_init(config), (e * r, self.in_features), ms.float32).init_data().reshape(e, r, self.in_features)
         self.lora_a = Parameter(a, name=f"{path}.lora_a")  # (E, r, in)
         self.lora_b = Parameter(initializer("zeros", (e, self.out_features, r), ms.float32), name=f"{path}.lora_b")
         self.dropout = float(config.lora_dropout)
@@ -373,7 +378,7 @@ class ExpertLoRALayer(nn.Cell):
         x3, w, a, b = self._cast(x)
         y = self.bmm(x3, w)  # (E, T, out)
         if not self.merged:
-            y = y + self.bmm(self.bmm(self._drop(x3), a), b) * self.scaling  # (E, T, r) -> (E, T, out)
+            y = y + self.bmm(self.bmm(_dropout(x3, self.dropout, self.training), a), b) * self.scaling  # (E, T, r) -> (E, T, out)
         return y.astype(x.dtype)
 
     def fan_out(self, x2):
@@ -382,7 +387,7 @@ class ExpertLoRALayer(nn.Cell):
         x2c, w, a, b = self._cast(x2)
         y = self.matmul(x2c, w.reshape(-1, self.in_features)).reshape(n, e, self.out_features)
         if not self.merged:
-            xa = self.matmul(self._drop(x2c), a.reshape(-1, self.in_features)).reshape(n, e, r)  # (N, E, r)
+            xa = self.matmul(_dropout(x2c, self.dropout, self.training), a.reshape(-1, self.in_features)).reshape(n, e, r)  # (N, E, r)
             y = y + self.bmm(xa.transpose(1, 0, 2), b).transpose(1, 0, 2) * self.scaling  # (N, E, out)
         return y.astype(x2.dtype)
 
@@ -392,7 +397,7 @@ class ExpertLoRALayer(nn.Cell):
         hc, w, a, b = self._cast(h)
         y = self.matmul(hc.reshape(n, -1), w.transpose(1, 0, 2).reshape(self.out_features, -1))
         if not self.merged:
-            ha = self.bmm(self._drop(hc).transpose(1, 0, 2), a).transpose(1, 0, 2)  # (N, E, r)
+            ha = self.bmm(_dropout(hc, self.dropout, self.training).transpose(1, 0, 2), a).transpose(1, 0, 2)  # (N, E, r)
             y = y + self.matmul(ha.reshape(n, -1), b.transpose(1, 0, 2).reshape(self.out_features, -1)) * self.scaling
         return y.astype(h.dtype)
 
@@ -401,12 +406,6 @@ class ExpertLoRALayer(nn.Cell):
         if self.compute_dtype is not None:
             x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
         return x, w, self.lora_a.astype(x.dtype), self.lora_b.astype(x.dtype)
-
-    def _drop(self, x):
-        if self.dropout > 0 and self.training:
-            keep = ops.stop_gradient(ops.rand_like(x, dtype=ms.float32) >= self.dropout)
-            return x * keep.astype(x.dtype) / (1.0 - self.dropout)
-        return x
 
     def delta_np(self) -> np.ndarray:
         """s·B[e]·A[e] for every expert, (E, out, in) in float64."""
@@ -500,23 +499,12 @@ def is_target(config: LoraConfig, path: str, cell: nn.Cell) -> bool:
     matches HF's modules, one per expert (``…mlp.experts.{e}.up_proj``), all or none."""
     if not isinstance(cell, ExpertLinear):
         return config.matches(path)
-    hits = [config.matches(name) for name in _per_expert(path, cell.num_experts)]
+    hits = [config.matches(name) for name in per_expert_names(path, cell.num_experts)]
     if any(hits) and not all(hits):
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} adapts {sum(hits)} of the "
                          f"{len(hits)} experts at {path}; mindqwen stacks a layer's experts, so LoRA adapts "
                          "all of them or none")
     return all(hits)
-
-
-# A stacked expert tensor (``…mlp.experts.up_proj.weight`` / ``.lora_a``) and its per-expert name
-# in HF and PEFT files (``…mlp.experts.3.up_proj.weight`` / ``.lora_a``).
-_STACKED = re.compile(r"(.*\.experts)\.([a-z_]+)((?:\.weight|\.lora_a|\.lora_b)?)")
-_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.([a-z_]+(?:\.weight|\.lora_a|\.lora_b))")
-
-
-def _per_expert(name: str, num_experts: int) -> List[str]:
-    m = _STACKED.fullmatch(name)
-    return [f"{m.group(1)}.{e}.{m.group(2)}{m.group(3)}" for e in range(num_experts)]
 
 
 def mark_only_lora_trainable(model: nn.Cell) -> None:
@@ -621,8 +609,8 @@ def adapter_state(model: nn.Cell) -> Dict[str, np.ndarray]:
                 named[p.name] = p.asnumpy()
     out = {}
     for name, array in named.items():
-        if _STACKED.fullmatch(name):
-            out.update({_peft_key(n): array[e] for e, n in enumerate(_per_expert(name, array.shape[0]))})
+        if is_stacked(name):
+            out.update({_peft_key(n): array[e] for e, n in enumerate(per_expert_names(name, array.shape[0]))})
         else:
             out[_peft_key(name)] = array
     return out
@@ -666,7 +654,7 @@ def load_adapter(model: nn.Cell, folder: str, allow_non_finite: bool = False) ->
     apply_lora(model, config)
     params = {p.name: p for p in model.get_parameters()}
     wanted = {_peft_key(n) for name, p in params.items() if name.endswith((".lora_a", ".lora_b", ".lora_magnitude_vector"))
-              for n in (_per_expert(name, p.shape[0]) if _STACKED.fullmatch(name) else [name])}
+              for n in (per_expert_names(name, p.shape[0]) if is_stacked(name) else [name])}
     missing = sorted(wanted - set(weights.keys()))
     if missing:
         raise CheckpointError(f"{w_path}: missing adapter tensors {', '.join(missing[:6])}")
@@ -689,9 +677,9 @@ def _stack_experts(named: Dict[str, tuple], source: str) -> Dict[str, tuple]:
     """Pop the per-expert tensors of ``named`` (name → (file key, array)); return them stacked
     under the model's names, keyed by a description of their file keys."""
     groups: Dict[str, Dict[int, tuple]] = {}
-    for name in [n for n in named if _PER_EXPERT.fullmatch(n)]:
-        m = _PER_EXPERT.fullmatch(name)
-        groups.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = named.pop(name)
+    for name in [n for n in named if expert_slice(n)]:
+        stacked, e = expert_slice(name)
+        groups.setdefault(stacked, {})[e] = named.pop(name)
     out = {}
     for name, parts in groups.items():
         key = re.sub(r"\.experts\.\d+\.", ".experts.<e>.", parts[min(parts)][0])

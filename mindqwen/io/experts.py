@@ -20,6 +20,10 @@ from mindqwen.io.safetensors import LazyTensor
 
 EXPERT = "model.layers.{i}.mlp.experts.{e}.{proj}.weight"
 _EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+# Any per-expert name (a weight, or a LoRA factor: ``…mlp.experts.3.up_proj.lora_a``) and any
+# stacked one (``…mlp.experts.up_proj.lora_a``; a module path without a suffix too).
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.([a-z_]+(?:\.weight|\.lora_a|\.lora_b))")
+_STACKED = re.compile(r"(.*\.experts)\.([a-z_]+)((?:\.weight|\.lora_a|\.lora_b)?)")
 
 
 def stack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int = 0) -> Dict[str, LazyTensor]:
@@ -78,9 +82,20 @@ def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) ->
 
 
 def expert_slice(name: str) -> Optional[Tuple[str, int]]:
-    """An HF per-expert name → (the model's stacked parameter, the expert's index); else None."""
-    m = _EXPERT_KEY.match(name)
-    return (f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.weight", int(m.group(2))) if m else None
+    """A per-expert name → (the model's stacked name, the expert's index); else None."""
+    m = _PER_EXPERT.fullmatch(name)
+    return (f"{m.group(1)}.{m.group(3)}", int(m.group(2))) if m else None
+
+
+def is_stacked(name: str) -> bool:
+    """Whether ``name`` is a stacked expert tensor or module of the model."""
+    return _STACKED.fullmatch(name) is not None
+
+
+def per_expert_names(name: str, num_experts: int) -> List[str]:
+    """A stacked name → its experts' names, in order (inverse of ``expert_slice``)."""
+    m = _STACKED.fullmatch(name)
+    return [f"{m.group(1)}.{e}.{m.group(2)}{m.group(3)}" for e in range(num_experts)]
 
 
 class _Split:
