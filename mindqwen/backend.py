@@ -14,10 +14,16 @@ of a training step and makes it faster (docs/performance.md). Two settings make 
 Variables the user has set are never overridden: ``MS_DEV_GRAPH_KERNEL_FLAGS=--opt_level=0``
 (or ``disable_cpu_fusion()`` before the model is built) turns fusion off.
 
+AKG builds each fused kernel once and keeps it in ``cache_dir()`` (``$MINDQWEN_CACHE``, default
+``~/.cache/mindqwen``), one folder per MindSpore version, which every later run reuses whatever
+its working directory; the working directory stays clean.
+
 Fusion and MindSpore's compile cache (``trainer.compile_cache``) exclude each other in one
-process: the first fused compile fixes MindSpore's cache folder (to the working directory), so
+process: the first fused compile fixes MindSpore's cache folder (to the fused-kernel folder), so
 later cached graphs would land there instead of in their own folders (measured).
 """
+import atexit
+import functools
 import os
 import sys
 import warnings
@@ -51,12 +57,20 @@ def disable_cpu_fusion() -> None:
     os.environ["MS_DEV_GRAPH_KERNEL_FLAGS"] = "--opt_level=0"
 
 
+def cache_dir() -> str:
+    """mindqwen's cache folder: ``$MINDQWEN_CACHE``, else ``$XDG_CACHE_HOME/mindqwen``, else
+    ``~/.cache/mindqwen``."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mindqwen")
+    return os.environ.get("MINDQWEN_CACHE") or default
+
+
 def use_cpu_fusion() -> None:
     """Turn on graph-kernel fusion for the graphs this process compiles from now on (CPU only).
 
-    AKG builds the fused kernels into ``akg_kernel_meta/`` in the working directory, where later
-    runs from the same folder reuse them. (``MS_COMPILER_CACHE_PATH`` would move them, but
-    MindSpore fixes that folder at its first use, and ``trainer.compile_cache`` needs it.)
+    AKG builds the fused kernels into ``<cache_dir()>/kernels-ms<version>/akg_kernel_meta/``,
+    where later runs reuse them. MindSpore reads that folder from ``MS_COMPILER_CACHE_PATH`` at
+    its first fused compile and keeps it for the process; ``trainer.compile_cache`` (which turns
+    fusion off) sets its own folders instead.
     """
     if "MS_DEV_GRAPH_KERNEL_FLAGS" not in os.environ and _imported_after_mindspore \
             and "OMP_WAIT_POLICY" not in os.environ:
@@ -65,3 +79,20 @@ def use_cpu_fusion() -> None:
                       stacklevel=3)
     os.environ.setdefault("MS_DEV_GRAPH_KERNEL_FLAGS", CPU_FUSION_FLAGS)
     os.environ.setdefault("AKG_WHITE_LIST_PATH", "/")  # silences AKG's tiling-repository lines on stdout
+    if fusion_enabled() and "MS_COMPILER_CACHE_PATH" not in os.environ:
+        import mindspore
+        folder = os.path.join(cache_dir(), f"kernels-ms{mindspore.__version__}")
+        os.makedirs(folder, exist_ok=True)
+        os.environ["MS_COMPILER_CACHE_PATH"] = folder
+        _remove_akg_log_at_exit()
+
+
+@functools.lru_cache(maxsize=1)
+def _remove_akg_log_at_exit() -> None:
+    """AKG's polyhedral pass writes ``dsa_transfrom.log`` (its schedule timings) into the working
+    directory of MindSpore's kernel-build server whenever it builds a new kernel; the server is
+    MindSpore's own process, started in the working directory of the moment. The log is removed
+    when this process exits, unless it was there before."""
+    log = os.path.abspath("dsa_transfrom.log")
+    if not os.path.exists(log):
+        atexit.register(lambda: os.path.exists(log) and os.remove(log))

@@ -267,25 +267,35 @@ class LoRALayer(nn.Cell):
         self.matmul = ops.MatMul(transpose_b=True)
         self.compute_dtype = base.compute_dtype
 
+    def weights(self) -> tuple:
+        """weight, bias (if any), lora_a, lora_b, and DoRA's magnitude vector (if any)."""
+        base = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        return base + (self.lora_a, self.lora_b) + ((self.lora_magnitude_vector,) if self.use_dora else ())
+
     def construct(self, x):
-        x2, w, a, b = x.reshape(-1, self.in_features), self.weight, self.lora_a, self.lora_b  # (T, in)
+        return self.apply(self.weights(), x)
+
+    def apply(self, w, x):
+        """x (..., in) with ``weights()`` w → (..., out)."""
+        n = 1 if self.bias is None else 2  # where the adapter's weights start in w
+        x2, weight = x.reshape(-1, self.in_features), w[0]  # (T, in)
         if self.compute_dtype is not None:
-            x2, w = x2.astype(self.compute_dtype), w.astype(self.compute_dtype)
-        a, b = a.astype(x2.dtype), b.astype(x2.dtype)
-        y = self.matmul(x2, w)  # (T, out)
+            x2, weight = x2.astype(self.compute_dtype), weight.astype(self.compute_dtype)
+        a, b = w[n].astype(x2.dtype), w[n + 1].astype(x2.dtype)
+        y = self.matmul(x2, weight)  # (T, out)
         if not self.merged:
             xd = _dropout(x2, self.dropout, self.training)
             lora = self.matmul(self.matmul(xd, a), b) * self.scaling  # (T, r) -> (T, out)
             if self.use_dora:
-                wd = self.weight.astype(ms.float32) + self.matmul(self.lora_b, self.lora_a.T) * self.scaling  # (out, in)
+                wd = w[0].astype(ms.float32) + self.matmul(w[n + 1], w[n].T) * self.scaling  # (out, in)
                 norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(wd * wd, 1)))  # (out,)
-                scale = (self.lora_magnitude_vector / norm).astype(y.dtype)
-                yd = y if self.dropout == 0 else self.matmul(xd, w)
+                scale = (w[n + 2] / norm).astype(y.dtype)
+                yd = y if self.dropout == 0 else self.matmul(xd, weight)
                 y = y + (scale - 1) * yd + scale * lora
             else:
                 y = y + lora
         if self.bias is not None:
-            y = y + self.bias.astype(y.dtype)
+            y = y + w[1].astype(y.dtype)
         return y.reshape(x.shape[:-1] + (self.out_features,)).astype(x.dtype)
 
     # ------------------------------------------------------------------ host-side helpers

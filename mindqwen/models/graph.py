@@ -26,7 +26,9 @@ def invalidate_compiled_graphs(model: nn.Cell) -> None:
     MindSpore keys a Cell's compiled graph by (phase, create_time, id) and reads Python
     attributes of the tree as compile-time constants: after layer surgery, a merge, or a
     precision change, the cached graph is stale. ``create_time`` is a read-only property over
-    ``_create_time`` and there is no public reset, so every cell gets a new stamp.
+    ``_create_time`` and there is no public reset, so every cell gets a new stamp. Decoder
+    layers that changed get the compiled-once graph of their new signature
+    (``QwenModel.share_layer_graphs``).
     """
     stamp = time.time_ns()
     for _, cell in model.cells_and_names():
@@ -34,3 +36,12 @@ def invalidate_compiled_graphs(model: nn.Cell) -> None:
             raise RuntimeError("this MindSpore has no Cell._create_time: mindqwen cannot invalidate compiled "
                                "graphs after changing a model (tests/test_lora.py checks this hook)")
         object.__setattr__(cell, "_create_time", stamp)
+    refresh_layer_graphs(model)
+
+
+def refresh_layer_graphs(model: nn.Cell) -> bool:
+    """Give the decoder layers of ``model`` whose signature changed (a weight frozen or thawed,
+    an adapter, a precision) the compiled-once graph of their new one; returns whether any did.
+    Graphs compiled before then are stale: callers that find a change invalidate them."""
+    changed = [cell.share_layer_graphs() for _, cell in model.cells_and_names() if hasattr(cell, "share_layer_graphs")]
+    return any(changed)

@@ -11,14 +11,17 @@ they do not exist, the hand-written path is used.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore.common.initializer import Initializer, initializer
 
 from mindqwen import backend
 from mindqwen.config import QwenConfig
@@ -31,6 +34,53 @@ from mindqwen.io.safetensors import CheckpointError
 MASK_VALUE = -1e9
 IGNORE_INDEX = -100
 INIT_STD = 0.02
+
+
+class RandomNormal(Initializer):
+    """N(0, sigma²) in float32, drawn by numpy's SFC64 generators on every core: ~4× MindSpore's
+    ``Normal`` on 2 CPU cores (a random Qwen2.5-1.5B-shaped model is 1.5 G values).
+
+    A tensor is seeded by one draw from numpy's global generator, as MindSpore's initializers are
+    (so ``mindspore.set_seed`` fixes the weights), and drawn in blocks of ``BLOCK`` values, each
+    from its own child seed: the values do not depend on the number of threads. Lazy under
+    ``no_init_parameters`` like any initializer.
+    """
+
+    BLOCK = 1 << 22
+
+    def __init__(self, sigma: float):
+        super().__init__(sigma=sigma)
+        self.sigma = sigma
+
+    def _initialize(self, arr):
+        out = arr if arr.dtype == np.float32 and arr.flags.c_contiguous else np.empty(arr.shape, np.float32)
+        flat = out.reshape(-1)
+        blocks = [flat[i:i + self.BLOCK] for i in range(0, flat.size, self.BLOCK)]
+        seeds = np.random.SeedSequence(int(np.random.randint(0, 2**63 - 1, dtype=np.int64))).spawn(len(blocks))
+        list(_draw_pool().map(self._draw, seeds, blocks))  # numpy releases the GIL while drawing
+        if out is not arr:
+            arr[...] = out
+
+    def _draw(self, seed: np.random.SeedSequence, block: np.ndarray) -> None:
+        np.random.Generator(np.random.SFC64(seed)).standard_normal(out=block, dtype=np.float32)
+        block *= np.float32(self.sigma)
+
+
+@functools.lru_cache(maxsize=1)
+def _draw_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mindqwen-init")
+
+
+def split_weights(w: tuple, cells: tuple) -> tuple:
+    """w: the ``weights()`` of ``cells`` one after the other, flat → one tuple per cell. (Weights
+    travel flat: MindSpore 2.10 fails to differentiate a ``no_inline`` graph whose argument is a
+    tuple of tuples when the loss gathers by label.)"""
+    out, start = (), 0
+    for cell in cells:
+        n = len(cell.weights())
+        out = out + (w[start:start + n],)
+        start = start + n
+    return out
 
 
 def default_use_fused_ops() -> bool:
@@ -48,26 +98,33 @@ class Linear(nn.Cell):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=ms.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(initializer(Normal(INIT_STD), (out_features, in_features), dtype),
+        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (out_features, in_features), dtype),
                                 name="weight")
         self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)  # no transposed copy of the weight
         self.compute_dtype = None
 
+    def weights(self) -> tuple:
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
     def construct(self, x):
-        x2, w, b = x.reshape(-1, self.in_features), self.weight, self.bias  # x2: (B*S, in)
+        return self.apply(self.weights(), x)
+
+    def apply(self, w, x):
+        """x (..., in) with ``weights()`` w → (..., out)."""
+        x2, weight = x.reshape(-1, self.in_features), w[0]  # x2: (B*S, in)
         if self.compute_dtype is not None:
-            x2, w = x2.astype(self.compute_dtype), w.astype(self.compute_dtype)
-        y = self.matmul(x2, w)  # (B*S, out)
-        if b is not None:
-            y = y + b.astype(y.dtype)
+            x2, weight = x2.astype(self.compute_dtype), weight.astype(self.compute_dtype)
+        y = self.matmul(x2, weight)  # (B*S, out)
+        if self.bias is not None:
+            y = y + w[1].astype(y.dtype)
         return y.reshape(x.shape[:-1] + (self.out_features,)).astype(x.dtype)
 
 
 class Embedding(nn.Cell):
     def __init__(self, vocab_size: int, hidden_size: int, dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(INIT_STD), (vocab_size, hidden_size), dtype),
+        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (vocab_size, hidden_size), dtype),
                                 name="weight")
 
     def construct(self, input_ids):
@@ -82,12 +139,19 @@ class RMSNorm(nn.Cell):
         self.weight = Parameter(initializer("ones", (dim,), dtype), name="weight")
         self.eps, self.use_fused_ops = eps, use_fused_ops
 
+    def weights(self) -> tuple:
+        return (self.weight,)
+
     def construct(self, x):
+        return self.apply(self.weights(), x)
+
+    def apply(self, w, x):
+        weight = w[0]
         if self.use_fused_ops:
-            return ops.rms_norm(x, self.weight, self.eps)[0]
+            return ops.rms_norm(x, weight, self.eps)[0]
         x32 = x.astype(ms.float32)
         y = x32 * ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + self.eps)
-        return self.weight * y.astype(x.dtype)
+        return weight * y.astype(x.dtype)
 
 
 class RotaryEmbedding(nn.Cell):
@@ -200,16 +264,30 @@ class Attention(nn.Cell):
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)  # primitives, so tensor parallel can shard them
         self.bmm_pv = ops.BatchMatMul()
 
+    def parts(self) -> tuple:
+        return (self.q_proj, self.k_proj, self.v_proj, self.o_proj) + ((self.q_norm, self.k_norm) if self.qk_norm else ())
+
+    def weights(self) -> tuple:
+        """q, k, v, o projections' weights (and the q/k norms'), flat."""
+        w = ()
+        for cell in self.parts():
+            w = w + cell.weights()
+        return w
+
     def construct(self, x, cos, sin, mask):
+        return self.apply(self.weights(), x, cos, sin, mask)
+
+    def apply(self, w, x, cos, sin, mask):
         """x (B, S, H); cos/sin (B, 1 or 2, S, D): index 0 rotates queries, the last keys;
-        mask (B, 1, S, S) bool, True = not attended."""
-        q, k, v = self._project(x, cos, sin)
+        mask (B, 1, S, S) bool, True = not attended; w: ``weights()``."""
+        w = split_weights(w, self.parts())
+        q, k, v = self._project(w, x, cos, sin)
         if self.use_flash:
             out = ops.flash_attention_score(q, k, v, self.num_heads, attn_mask=mask.astype(ms.uint8),
                                             scalar_value=self.scale, input_layout="BNSD")
         else:
             out = self._attend(q, k, v, mask)
-        return self._output(out)
+        return self._output(w, out)
 
     def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
         """The KV-cache step: write this step's keys/values at ``cache_position`` and attend
@@ -220,30 +298,31 @@ class Attention(nn.Cell):
         Returns the output (B, T, H) and the updated caches (new tensors: no Parameter state,
         so one graph serves eager generation and the exported MindIR alike).
         """
-        q, k, v = self._project(x, cos, sin)
+        w = split_weights(self.weights(), self.parts())
+        q, k, v = self._project(w, x, cos, sin)
         b, kv, t, d = k.shape
         slots = ops.broadcast_to(cache_position.reshape(b, 1, t, 1), (b, kv, t, d))
         k_cache = ops.tensor_scatter_elements(k_cache, slots, k.astype(k_cache.dtype), 2)
         v_cache = ops.tensor_scatter_elements(v_cache, slots, v.astype(v_cache.dtype), 2)
         out = self._attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-        return self._output(out), k_cache, v_cache
+        return self._output(w, out), k_cache, v_cache
 
-    def _project(self, x, cos, sin):
+    def _project(self, w, x, cos, sin):
         """x (B, S, H) → q (B, N, S, D), k and v (B, KV, S, D), rotary applied."""
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, N, D)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)  # (B, S, KV, D)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        q = self.q_proj.apply(w[0], x).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, N, D)
+        k = self.k_proj.apply(w[1], x).reshape(b, s, self.num_kv_heads, self.head_dim)  # (B, S, KV, D)
+        v = self.v_proj.apply(w[2], x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm.apply(w[4], q), self.k_norm.apply(w[5], k)
         q = apply_rotary(q.transpose(0, 2, 1, 3), cos[:, :1], sin[:, :1])  # (B, N, S, D)
         k = apply_rotary(k.transpose(0, 2, 1, 3), cos[:, -1:], sin[:, -1:])  # (B, KV, S, D)
         return q, k, v.transpose(0, 2, 1, 3)
 
-    def _output(self, out):
+    def _output(self, w, out):
         """out (B, N, S, D) → o_proj (B, S, H)."""
         b, _, s, _ = out.shape
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj.apply(w[3], out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim))
 
     def _attend(self, q, k, v, mask):
         b, _, s, d = q.shape
@@ -269,8 +348,15 @@ class MLP(nn.Cell):
         self.up_proj = Linear(h, i, False, dtype)
         self.down_proj = Linear(i, h, False, dtype)
 
+    def weights(self) -> tuple:
+        return self.gate_proj.weights() + self.up_proj.weights() + self.down_proj.weights()
+
     def construct(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.apply(self.weights(), x)
+
+    def apply(self, w, x):
+        w = split_weights(w, (self.gate_proj, self.up_proj, self.down_proj))
+        return self.down_proj.apply(w[2], ops.silu(self.gate_proj.apply(w[0], x)) * self.up_proj.apply(w[1], x))
 
 
 class Router(nn.Cell):
@@ -279,7 +365,7 @@ class Router(nn.Cell):
 
     def __init__(self, hidden_size: int, num_experts: int, dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(INIT_STD), (num_experts, hidden_size), dtype), name="weight")
+        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (num_experts, hidden_size), dtype), name="weight")
         self.matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, x):
@@ -301,7 +387,7 @@ class ExpertLinear(nn.Cell):
     def __init__(self, num_experts: int, in_features: int, out_features: int, dtype=ms.float32):
         super().__init__()
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
-        self.weight = Parameter(initializer(Normal(INIT_STD), (num_experts, out_features, in_features), dtype),
+        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (num_experts, out_features, in_features), dtype),
                                 name="weight")
         self.bmm = ops.BatchMatMul(transpose_b=True)
         self.matmul = ops.MatMul(transpose_b=True)
@@ -467,6 +553,13 @@ def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
 
 
 class DecoderLayer(nn.Cell):
+    """Pre-norm attention and MLP (or mixture of experts), each added to the residual stream.
+
+    A dense layer runs as ``compiled_once`` (``share_layer_graphs``): the same ``no_inline``
+    graph for every layer of the model with the same settings, called with each layer's weights,
+    so graph mode compiles the layer once instead of once per layer (docs/performance.md).
+    """
+
     def __init__(self, config: QwenConfig, layer_idx: int, dtype=ms.float32,
                  use_fused_ops: bool = False):
         super().__init__()
@@ -476,11 +569,33 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
         self.sparse = config.is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(config, dtype) if self.sparse else MLP(config, dtype)
+        self.use_fused_ops = use_fused_ops
+        # Set by share_layer_graphs: the no_inline graph this layer runs (None: inlined), and the
+        # signature it was chosen for.
+        self.compiled_once, self.signature = None, None
+
+    def parts(self) -> tuple:
+        return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+
+    def weights(self) -> tuple:
+        """A dense layer's weights, flat: its norms', attention's and MLP's."""
+        return (self.input_layernorm.weights() + self.self_attn.weights()
+                + self.post_attention_layernorm.weights() + self.mlp.weights())
 
     def construct(self, x, cos, sin, mask):
         """x (B, S, H) → (B, S, H); a mixture-of-experts layer also returns its router logits."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return self._feed_forward(x)
+        if self.sparse:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+            return self._feed_forward(x)
+        if self.compiled_once is None:
+            return self.apply(self.weights(), x, cos, sin, mask)
+        return self.compiled_once(x, cos, sin, mask, *self.weights())
+
+    def apply(self, w, x, cos, sin, mask):
+        """A dense layer with ``weights()`` w."""
+        w = split_weights(w, self.parts())
+        x = x + self.self_attn.apply(w[1], self.input_layernorm.apply(w[0], x), cos, sin, mask)
+        return x + self.mlp.apply(w[3], self.post_attention_layernorm.apply(w[2], x))
 
     def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
         """``construct`` with the KV cache (see ``Attention.cached``); no router logits."""
@@ -496,6 +611,79 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def share_layer_graphs(layers) -> bool:
+    """Give every shareable layer (``_shareable``) the ``no_inline`` graph of its signature
+    (``compiled_once``), made from the first layer with that signature; returns whether any
+    layer's changed. Ascend's fused path stays inlined too (its own route, ``lazy_inline``, is
+    not wired yet). Called when the model is built and whenever its compiled graphs are
+    invalidated (``invalidate_compiled_graphs``)."""
+    if layers and layers[0].use_fused_ops:
+        return _mark_lazy_inline(layers)
+    signatures = [layer_signature(layer) if _shareable(layer) else None for layer in layers]
+    if all(layer.signature == sig for layer, sig in zip(layers, signatures)):
+        return False
+    graphs = {}
+    for layer, sig in zip(layers, signatures):
+        if sig is not None and sig not in graphs:
+            graphs[sig] = _compile_once(layer)
+        layer.compiled_once, layer.signature = graphs.get(sig), sig
+    return True
+
+
+def _mark_lazy_inline(layers) -> bool:
+    """Ascend: what ``mindspore.lazy_inline`` does to a Cell, per layer: layers with equal keys
+    compile to one reusable subgraph. (The decorator keys on the constructor's arguments, which
+    hold the layer index; the signature is what makes two layers the same graph.) Verified on CPU
+    only as far as the marking: the compile itself needs Ascend."""
+    changed = False
+    for layer in layers:
+        key = "lazy_inline_DecoderLayer_" + hashlib.sha256(repr(layer_signature(layer)).encode()).hexdigest()[:16]
+        changed = changed or getattr(layer, "cell_init_args", None) != key
+        layer.cell_init_args = key
+    return changed
+
+
+def _shareable(layer: "DecoderLayer") -> bool:
+    """Dense, on the CPU path, not marked for recompute, and every weight trains. (A frozen weight
+    would need ``stop_gradient`` inside the shared graph, or its backward computes the weight's
+    gradient for nothing; MindSpore 2.10 fails to differentiate that graph when the loss gathers
+    by label, so layers with frozen weights, LoRA's, stay inlined.)"""
+    if layer.sparse or layer.use_fused_ops:
+        return False
+    cells = [cell for _, cell in layer.cells_and_names()]
+    return (not any(getattr(cell, "_has_config_recompute", False) for cell in cells)
+            and all(p.requires_grad for p in layer.get_parameters()))
+
+
+def _compile_once(template: DecoderLayer):
+    @ms.no_inline
+    def decoder_layer(x, cos, sin, mask, *w):
+        return template.apply(w, x, cos, sin, mask)
+    return decoder_layer
+
+
+# Cell attributes that are bookkeeping, MindSpore's or the grouping's own: they differ between
+# layers that compute the same thing.
+# ``training`` too: set_train sets it on the whole model, and MindSpore keys compiled graphs by it.
+_BOOKKEEPING = frozenset({"is_top_cell", "arguments_key", "phase", "grad_ops_label", "cell_init_args",
+                          "compiled_once", "signature", "training"})
+_SETTING_TYPES = (bool, int, float, str, type(None), type(ms.float32).__mro__[-3])  # ... and MindSpore dtypes
+
+
+def layer_signature(layer: nn.Cell) -> tuple:
+    """Everything a layer's graph is compiled from except its weights' values: each sub-cell's
+    type and settings, and each weight's shape, dtype and whether it trains. Two layers with
+    equal signatures run the same graph."""
+    parts = []
+    for name, cell in layer.cells_and_names():
+        settings = tuple(sorted((key, repr(value)) for key, value in vars(cell).items()
+                                if not key.startswith("_") and key not in _BOOKKEEPING
+                                and isinstance(value, _SETTING_TYPES)))
+        weights = tuple((tuple(p.shape), str(p.dtype), p.requires_grad) for p in cell.get_parameters(expand=False))
+        parts.append((name, type(cell), settings, weights))
+    return tuple(parts)
+
+
 class QwenModel(nn.Cell):
     """Embeddings → decoder layers → final RMSNorm."""
 
@@ -505,6 +693,7 @@ class QwenModel(nn.Cell):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.CellList([DecoderLayer(config, i, dtype, use_fused_ops)
                                    for i in range(config.num_hidden_layers)])
+        self.share_layer_graphs()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window or 0
@@ -513,6 +702,10 @@ class QwenModel(nn.Cell):
         # Packed rows: with an EOS id set (``set_document_boundaries``), each document restarts
         # its positions after an EOS and attends only within itself.
         self.document_eos_id = None
+
+    def share_layer_graphs(self) -> bool:
+        """Regroup the layers by signature (``share_layer_graphs``); whether any changed."""
+        return share_layer_graphs(list(self.layers))
 
     def _documents(self, input_ids, attention_mask, idx, future):
         """Positions and mask for packed documents separated by EOS (the EOS ends its document)."""

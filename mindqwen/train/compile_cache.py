@@ -15,7 +15,7 @@ without the cache, instead of adding them to the first folder where another run 
 Loaded graphs match compiled ones to ~1e-6 per step, not bit for bit (tests/test_trainer.py).
 
 A process that compiles with CPU graph-kernel fusion cannot use the cache: its first fused
-compile fixes the cache folder (to the working directory), and MindSpore 2.10 fails to compile
+compile fixes the cache folder (to the fused-kernel folder), and MindSpore 2.10 fails to compile
 fused graphs with the cache on ("the node output kernel object types size just 0"). So the cache
 is refused, with a warning, once fusion is on; ``mindqwen train`` with ``trainer.compile_cache``
 turns fusion off before it builds the model (``mindqwen.backend.disable_cpu_fusion``), trading

@@ -1,6 +1,7 @@
 """Activation recompute (gradient checkpointing) by decoder layer, from the trainer config."""
 from mindspore import nn
 
+from mindqwen.models.graph import invalidate_compiled_graphs
 from mindqwen.models.qwen import DecoderLayer
 
 
@@ -20,4 +21,5 @@ def apply_recompute(model: nn.Cell, mode: str, every: int = 1) -> int:
     layers = [cell for _, cell in model.cells_and_names() if isinstance(cell, DecoderLayer)]
     for layer in layers[::every]:
         {"full": layer, "attention": layer.self_attn, "mlp": layer.mlp}[mode].recompute()
+    invalidate_compiled_graphs(model)  # a recomputed layer is inlined (share_layer_graphs)
     return len(layers[::every])

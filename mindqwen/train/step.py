@@ -20,6 +20,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindqwen.models.graph import invalidate_compiled_graphs, refresh_layer_graphs
 from mindqwen.train.distributed import ParallelConfig
 
 _hyper_map = ops.HyperMap()
@@ -215,6 +216,8 @@ class Stepper:
                  micro_batches: int = 1, clip_norm: float = 1.0, dynamic_scaling: bool = False,
                  world: int = 1, parallel: Optional[ParallelConfig] = None,
                  loss_net: Optional[nn.Cell] = None):
+        if refresh_layer_graphs(model):  # a weight frozen or thawed since the layers were grouped
+            invalidate_compiled_graphs(model)
         pipeline = 1
         if parallel is not None and parallel.model_parallel:
             pipeline = parallel.pipeline_micro_batches if parallel.pipeline_parallel > 1 else 1
