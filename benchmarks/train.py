@@ -70,6 +70,8 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="bench-small-moe: QwenConfig.moe_capacity_factor (default: exact, every expert on every token)")
     ap.add_argument("--no-fusion", dest="fusion", action="store_false",
                     help="turn off CPU graph-kernel fusion (mindqwen's default)")
+    ap.add_argument("--compile-once", action="store_true",
+                    help="compile equal decoder layers once (QwenModel.set_compile_once; off by default)")
     return ap
 
 
@@ -98,6 +100,8 @@ def build(args: argparse.Namespace) -> tuple:
     if not args.full:
         apply_lora(model, LoraConfig(r=8, lora_alpha=32, target_modules=args.targets.split(",")))
     apply_recompute(model, args.recompute, args.recompute_every)
+    if getattr(args, "compile_once", False):
+        model.model.set_compile_once(True)
     model.set_train(True)
     optimizer = make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-4, args.steps))
     stepper = Stepper(model, optimizer, make_loss_scaler(PrecisionConfig()), clip_norm=0.0)
@@ -132,7 +136,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "train", "framework": "mindqwen (MindSpore %s, graph mode)" % ms.__version__,
         "mode": "full" if args.full else "lora", "fusion": backend.fusion_enabled(), "shape": args.shape,
-        "layers": config.num_hidden_layers, "targets": args.targets, "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
+        "layers": config.num_hidden_layers, "targets": args.targets,
+        "compiled_once": sum(layer.compiled_once is not None for layer in model.model.layers), "batch": args.batch, "seq": args.seq, "recompute": args.recompute,
         "recompute_every": args.recompute_every, "steps": args.steps, "build_s": round(args.build_s, 1),
         "compile_cache": bool(args.compile_cache), "moe_capacity_factor": args.moe_capacity_factor,
         "tokens_per_s": round(tokens / step_s, 1), "step_ms": round(step_s * 1e3, 1),

@@ -87,14 +87,16 @@ def test_fused_kernels_build_into_the_cache_and_leave_the_working_directory_clea
     assert any(name.endswith(".o") for name in os.listdir(kernels))  # a cold cache: AKG built them here
 
 
-def tiny(layers=3, **overrides):
+def tiny(layers=3, compile_once=True, **overrides):
     ms.set_seed(0)
     config = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32, qkv_bias=True, tie_word_embeddings=False)
-    return QwenForCausalLM(qwen.QwenConfig(**{**config, **overrides}))
+    return QwenForCausalLM(qwen.QwenConfig(**{**config, **overrides}), compile_once=compile_once)
 
 
 def test_layers_with_the_same_settings_share_one_compiled_graph():
+    assert all(layer.compiled_once is None and layer.cached_once is None
+               for layer in tiny(compile_once=False).model.layers)  # the default: inlined
     model = tiny()
     graphs = {id(layer.compiled_once) for layer in model.model.layers}
     assert len(graphs) == 1 and None not in {layer.compiled_once for layer in model.model.layers}
@@ -109,10 +111,7 @@ def test_compiled_once_layers_give_the_inlined_gradients():
     out = []
     with in_mode(ms.GRAPH_MODE):
         for share in (True, False):
-            model = tiny()
-            if not share:
-                for layer in model.model.layers:
-                    layer.compiled_once = None
+            model = tiny(compile_once=share)
             loss, grads = ms.value_and_grad(model, None, model.trainable_params())(ids, None, ids)
             out.append((float(loss), [g.asnumpy() for g in grads]))
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
@@ -126,6 +125,7 @@ def test_surgery_regroups_the_layers():
     model = tiny()
     apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[1]))
     assert all(layer.compiled_once is None for layer in model.model.layers)  # frozen weights (qwen._shareable)
+    assert model.model.layers[0].cached_once is model.model.layers[2].cached_once is not None  # generation shares
     for p in model.get_parameters():  # thawed behind the model's back: the Stepper regroups
         p.requires_grad = True
     assert refresh_layer_graphs(model) and not refresh_layer_graphs(model)
@@ -135,3 +135,14 @@ def test_surgery_regroups_the_layers():
     model = tiny()
     apply_recompute(model, "full", every=2)
     assert [layer.compiled_once is None for layer in model.model.layers] == [True, False, True]
+    model.model.set_compile_once(False)
+    assert all(layer.compiled_once is None and layer.cached_once is None for layer in model.model.layers)
+
+
+def test_compiled_once_generation_gives_the_inlined_tokens_and_logits():
+    from mindqwen import generate
+    prompt = ms.Tensor(np.array([[5, 9, 17, 33, 2, 71]], np.int32))
+    shared, inlined = tiny(), tiny(compile_once=False)
+    assert shared.model.layers[0].cached_once is not None
+    a, b = generate(shared, prompt, max_new_tokens=6), generate(inlined, prompt, max_new_tokens=6)
+    assert np.array_equal(a, b)

@@ -28,6 +28,7 @@ from mindqwen.config import QwenConfig
 from mindqwen.io import convert, hf
 from mindqwen.io.experts import stack_experts
 from mindqwen.io.safetensors import CheckpointError
+from mindqwen.models.graph import invalidate_compiled_graphs
 
 # Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
 # then softmaxes to a uniform row instead of NaN.
@@ -298,7 +299,11 @@ class Attention(nn.Cell):
         Returns the output (B, T, H) and the updated caches (new tensors: no Parameter state,
         so one graph serves eager generation and the exported MindIR alike).
         """
-        w = split_weights(self.weights(), self.parts())
+        return self.apply_cached(self.weights(), x, cos, sin, mask, k_cache, v_cache, cache_position)
+
+    def apply_cached(self, w, x, cos, sin, mask, k_cache, v_cache, cache_position):
+        """``cached`` with ``weights()`` w."""
+        w = split_weights(w, self.parts())
         q, k, v = self._project(w, x, cos, sin)
         b, kv, t, d = k.shape
         slots = ops.broadcast_to(cache_position.reshape(b, 1, t, 1), (b, kv, t, d))
@@ -570,9 +575,10 @@ class DecoderLayer(nn.Cell):
         self.sparse = config.is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(config, dtype) if self.sparse else MLP(config, dtype)
         self.use_fused_ops = use_fused_ops
-        # Set by share_layer_graphs: the no_inline graph this layer runs (None: inlined), and the
-        # signature it was chosen for.
-        self.compiled_once, self.signature = None, None
+        # Set by share_layer_graphs: the no_inline graphs this layer runs in training / forward
+        # passes and in KV-cache steps (None: inlined), and the (signature, shareable) they were
+        # chosen for.
+        self.compiled_once, self.cached_once, self.signature = None, None, None
 
     def parts(self) -> tuple:
         return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
@@ -599,10 +605,21 @@ class DecoderLayer(nn.Cell):
 
     def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
         """``construct`` with the KV cache (see ``Attention.cached``); no router logits."""
-        a, k_cache, v_cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, mask,
-                                                    k_cache, v_cache, cache_position)
-        x = self._feed_forward(x + a)
-        return (x[0] if self.sparse else x), k_cache, v_cache
+        if self.sparse:
+            a, k_cache, v_cache = self.self_attn.cached(self.input_layernorm(x), cos, sin, mask,
+                                                        k_cache, v_cache, cache_position)
+            return self._feed_forward(x + a)[0], k_cache, v_cache
+        if self.cached_once is None:
+            return self.apply_cached(self.weights(), x, cos, sin, mask, k_cache, v_cache, cache_position)
+        return self.cached_once(x, cos, sin, mask, k_cache, v_cache, cache_position, *self.weights())
+
+    def apply_cached(self, w, x, cos, sin, mask, k_cache, v_cache, cache_position):
+        """A dense layer's KV-cache step with ``weights()`` w."""
+        w = split_weights(w, self.parts())
+        a, k_cache, v_cache = self.self_attn.apply_cached(w[1], self.input_layernorm.apply(w[0], x), cos, sin, mask,
+                                                          k_cache, v_cache, cache_position)
+        x = x + a
+        return x + self.mlp.apply(w[3], self.post_attention_layernorm.apply(w[2], x)), k_cache, v_cache
 
     def _feed_forward(self, x):
         if self.sparse:
@@ -611,22 +628,26 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def share_layer_graphs(layers) -> bool:
-    """Give every shareable layer (``_shareable``) the ``no_inline`` graph of its signature
-    (``compiled_once``), made from the first layer with that signature; returns whether any
-    layer's changed. Ascend's fused path stays inlined too (its own route, ``lazy_inline``, is
-    not wired yet). Called when the model is built and whenever its compiled graphs are
-    invalidated (``invalidate_compiled_graphs``)."""
+def share_layer_graphs(layers, enabled: bool = True) -> bool:
+    """With ``enabled``, give every dense layer the ``no_inline`` graphs of its signature, made
+    from the first layer with that signature: its KV-cache step (``cached_once``) and, where
+    ``_shareable``, its forward (``compiled_once``); without, inline every layer. Returns whether
+    any layer's changed. On Ascend the layers are marked for ``lazy_inline`` instead, always.
+    Called when the model is built, whenever its compiled graphs are invalidated
+    (``invalidate_compiled_graphs``) and when a ``Stepper`` is built."""
     if layers and layers[0].use_fused_ops:
         return _mark_lazy_inline(layers)
-    signatures = [layer_signature(layer) if _shareable(layer) else None for layer in layers]
-    if all(layer.signature == sig for layer, sig in zip(layers, signatures)):
+    states = [(None if layer.sparse or not enabled else layer_signature(layer), enabled and _shareable(layer))
+              for layer in layers]
+    if all(layer.signature == state for layer, state in zip(layers, states)):
         return False
     graphs = {}
-    for layer, sig in zip(layers, signatures):
+    for layer, (sig, shareable) in zip(layers, states):
         if sig is not None and sig not in graphs:
             graphs[sig] = _compile_once(layer)
-        layer.compiled_once, layer.signature = graphs.get(sig), sig
+        forward, cached = graphs.get(sig, (None, None))
+        layer.compiled_once, layer.cached_once = forward if shareable else None, cached
+        layer.signature = (sig, shareable)
     return True
 
 
@@ -644,10 +665,12 @@ def _mark_lazy_inline(layers) -> bool:
 
 
 def _shareable(layer: "DecoderLayer") -> bool:
-    """Dense, on the CPU path, not marked for recompute, and every weight trains. (A frozen weight
-    would need ``stop_gradient`` inside the shared graph, or its backward computes the weight's
-    gradient for nothing; MindSpore 2.10 fails to differentiate that graph when the loss gathers
-    by label, so layers with frozen weights, LoRA's, stay inlined.)"""
+    """Whether a dense layer's forward is shared (its KV-cache step always is: no gradients):
+    not marked for recompute, and every weight trains. (A frozen weight needs ``stop_gradient``
+    inside the shared graph, or its backward computes the weight's gradient for nothing: +24% step
+    time, +26% memory at Qwen2.5-0.5B LoRA; and MindSpore 2.10 fails to differentiate a graph
+    holding both a ``no_inline`` call that stops a gradient and a Cell with its own ``bprop``, the
+    chunked loss: "func graph is empty: zeros_like". So LoRA's layers stay inlined in training.)"""
     if layer.sparse or layer.use_fused_ops:
         return False
     cells = [cell for _, cell in layer.cells_and_names()]
@@ -655,18 +678,23 @@ def _shareable(layer: "DecoderLayer") -> bool:
             and all(p.requires_grad for p in layer.get_parameters()))
 
 
-def _compile_once(template: DecoderLayer):
+def _compile_once(template: DecoderLayer) -> tuple:
+    """The ``no_inline`` forward and KV-cache step of the layers with ``template``'s signature."""
     @ms.no_inline
     def decoder_layer(x, cos, sin, mask, *w):
         return template.apply(w, x, cos, sin, mask)
-    return decoder_layer
+
+    @ms.no_inline
+    def decoder_layer_cached(x, cos, sin, mask, k_cache, v_cache, cache_position, *w):
+        return template.apply_cached(w, x, cos, sin, mask, k_cache, v_cache, cache_position)
+    return decoder_layer, decoder_layer_cached
 
 
 # Cell attributes that are bookkeeping, MindSpore's or the grouping's own: they differ between
 # layers that compute the same thing.
 # ``training`` too: set_train sets it on the whole model, and MindSpore keys compiled graphs by it.
 _BOOKKEEPING = frozenset({"is_top_cell", "arguments_key", "phase", "grad_ops_label", "cell_init_args",
-                          "compiled_once", "signature", "training"})
+                          "compiled_once", "cached_once", "signature", "training"})
 _SETTING_TYPES = (bool, int, float, str, type(None), type(ms.float32).__mro__[-3])  # ... and MindSpore dtypes
 
 
@@ -687,9 +715,11 @@ def layer_signature(layer: nn.Cell) -> tuple:
 class QwenModel(nn.Cell):
     """Embeddings → decoder layers → final RMSNorm."""
 
-    def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: bool = False):
+    def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: bool = False,
+                 compile_once: bool = False):
         super().__init__()
         self.config = config
+        self.compile_once = compile_once  # set_compile_once
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.CellList([DecoderLayer(config, i, dtype, use_fused_ops)
                                    for i in range(config.num_hidden_layers)])
@@ -705,7 +735,19 @@ class QwenModel(nn.Cell):
 
     def share_layer_graphs(self) -> bool:
         """Regroup the layers by signature (``share_layer_graphs``); whether any changed."""
-        return share_layer_graphs(list(self.layers))
+        return share_layer_graphs(list(self.layers), self.compile_once)
+
+    def set_compile_once(self, on: bool = True) -> None:
+        """Compile equal decoder layers once (``mindspore.no_inline``) instead of once per layer.
+
+        On the CPU this trades speed for start-up time (docs/performance.md, "Time to first step"):
+        at the Qwen2.5-0.5B shape the first generated token comes after 5.9 s instead of 23.2 s and
+        a full fine-tune's step compiles in 47 s instead of 72 s, but decoding runs at 5.5 tokens/s
+        instead of 9.6, and a small model's step is up to 40% slower. Off by default; worth it for
+        a few generated tokens or steps in a notebook.
+        """
+        self.compile_once = bool(on)
+        invalidate_compiled_graphs(self)
 
     def _documents(self, input_ids, attention_mask, idx, future):
         """Positions and mask for packed documents separated by EOS (the EOS ends its document)."""
@@ -877,14 +919,16 @@ class QwenForCausalLM(nn.Cell):
     ``router_aux_loss_coef`` × the load-balancing loss for a mixture of experts.
     """
 
-    def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None):
+    def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None,
+                 compile_once: bool = False):
+        """compile_once: compile equal decoder layers once (``QwenModel.set_compile_once``)."""
         super().__init__()
         self.config = config
         if ms.get_context("device_target") == "CPU":
             backend.use_cpu_fusion()  # graph-kernel fusion: half the peak memory (mindqwen.backend)
         if use_fused_ops is None:
             use_fused_ops = default_use_fused_ops()
-        self.model = QwenModel(config, dtype, use_fused_ops)
+        self.model = QwenModel(config, dtype, use_fused_ops, compile_once)
         self.tied = config.tie_word_embeddings
         if not self.tied:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
@@ -1018,6 +1062,5 @@ from_pretrained = QwenForCausalLM.from_pretrained  # mindqwen.from_pretrained
 def set_document_boundaries(model: QwenForCausalLM, eos_token_id: Optional[int]) -> None:
     """Treat every ``eos_token_id`` in a row as the end of a packed document: positions restart
     after it and attention stays inside each document (None turns it off)."""
-    from mindqwen.models.graph import invalidate_compiled_graphs
     model.model.document_eos_id = None if eos_token_id is None else int(eos_token_id)
     invalidate_compiled_graphs(model)
