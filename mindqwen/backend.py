@@ -82,7 +82,12 @@ def use_cpu_fusion() -> None:
     if fusion_enabled() and "MS_COMPILER_CACHE_PATH" not in os.environ:
         import mindspore
         folder = os.path.join(cache_dir(), f"kernels-ms{mindspore.__version__}")
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:  # a read-only home: the kernels go to the working directory, as MindSpore's default
+            warnings.warn(f"cannot create the kernel cache {folder} ({e.strerror}): fused kernels are built into "
+                          "the working directory; set MINDQWEN_CACHE to a writable folder", stacklevel=3)
+            return
         os.environ["MS_COMPILER_CACHE_PATH"] = folder
         _remove_akg_log_at_exit()
 
