@@ -146,3 +146,19 @@ def test_compiled_once_generation_gives_the_inlined_tokens_and_logits():
     assert shared.model.layers[0].cached_once is not None
     a, b = generate(shared, prompt, max_new_tokens=6), generate(inlined, prompt, max_new_tokens=6)
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ("qwen2_tiny", "qwen3_tiny"))
+def test_compiled_once_logits_and_loss_match_hf(name):
+    """The opt-in path against HF's golden outputs (tests/test_model_parity.py's tolerances)."""
+    from conftest import reference
+    ref = reference(name)
+    model = QwenForCausalLM.from_pretrained(fixture_path(name, "base"))
+    model.model.set_compile_once(True)
+    assert all(layer.compiled_once is not None for layer in model.model.layers)
+    ids = ms.Tensor(ref["input_ids"].astype(np.int32))
+    with in_mode(ms.GRAPH_MODE):
+        logits = model(ids).asnumpy()
+        loss = float(model(ids, labels=ids).asnumpy())
+    assert np.abs(logits - ref["logits"]).max() <= 5e-5
+    assert abs(loss - float(ref["loss"])) <= 1e-5

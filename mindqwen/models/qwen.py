@@ -72,6 +72,14 @@ def _draw_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mindqwen-init")
 
 
+def joined_weights(cells: tuple) -> tuple:
+    """The ``weights()`` of ``cells`` one after the other, flat (``split_weights`` undoes it)."""
+    w = ()
+    for cell in cells:
+        w = w + cell.weights()
+    return w
+
+
 def split_weights(w: tuple, cells: tuple) -> tuple:
     """w: the ``weights()`` of ``cells`` one after the other, flat → one tuple per cell. (Weights
     travel flat: MindSpore 2.10 fails to differentiate a ``no_inline`` graph whose argument is a
@@ -270,10 +278,7 @@ class Attention(nn.Cell):
 
     def weights(self) -> tuple:
         """q, k, v, o projections' weights (and the q/k norms'), flat."""
-        w = ()
-        for cell in self.parts():
-            w = w + cell.weights()
-        return w
+        return joined_weights(self.parts())
 
     def construct(self, x, cos, sin, mask):
         return self.apply(self.weights(), x, cos, sin, mask)
@@ -353,14 +358,17 @@ class MLP(nn.Cell):
         self.up_proj = Linear(h, i, False, dtype)
         self.down_proj = Linear(i, h, False, dtype)
 
+    def parts(self) -> tuple:
+        return self.gate_proj, self.up_proj, self.down_proj
+
     def weights(self) -> tuple:
-        return self.gate_proj.weights() + self.up_proj.weights() + self.down_proj.weights()
+        return joined_weights(self.parts())
 
     def construct(self, x):
         return self.apply(self.weights(), x)
 
     def apply(self, w, x):
-        w = split_weights(w, (self.gate_proj, self.up_proj, self.down_proj))
+        w = split_weights(w, self.parts())
         return self.down_proj.apply(w[2], ops.silu(self.gate_proj.apply(w[0], x)) * self.up_proj.apply(w[1], x))
 
 
@@ -586,8 +594,7 @@ class DecoderLayer(nn.Cell):
 
     def weights(self) -> tuple:
         """A dense layer's weights, flat: its norms', attention's and MLP's."""
-        return (self.input_layernorm.weights() + self.self_attn.weights()
-                + self.post_attention_layernorm.weights() + self.mlp.weights())
+        return joined_weights(self.parts())
 
     def construct(self, x, cos, sin, mask):
         """x (B, S, H) → (B, S, H); a mixture-of-experts layer also returns its router logits."""
