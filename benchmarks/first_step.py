@@ -10,7 +10,10 @@ compiled step) and then the first generated token after load (``first_token_s``:
 graph's compile and one token, batch 1, 32-token prompt). One JSON line per process:
 
     python benchmarks/first_step.py [--shape qwen2.5-0.5b] [--depths 4,8,16,24] [--peer PYTHON]
-                                    [--batch 1 --seq 512] [--no-generate]
+                                    [--batch 1 --seq 512] [--no-generate] [--layouts inlined,once]
+
+``--layouts``: mindqwen's decoder layers inlined (the default) and/or compiled once
+(``model.compile_once``), each its own process, in that order before the peer at each depth.
 
 Shapes and data as ``benchmarks/train.py`` (fp32, LoRA r 8 / alpha 32 on q_proj, v_proj, AdamW).
 The memory of this machine kind is slow to touch the first time after it was freed (~0.4 GB/s,
@@ -37,13 +40,14 @@ def child(args: argparse.Namespace) -> None:
     t_import = time.perf_counter()
     args.full, args.recompute, args.recompute_every, args.threads = False, "none", 1, 0
     args.targets, args.moe_capacity_factor, args.fusion, args.steps = "q_proj,v_proj", None, True, 1
+    args.compile_once = args.layout == "once"
     model, config, stepper, data = build(args)
     t_built = time.perf_counter()
     ids = ms.Tensor(data[0])
     loss = stepper([(ids, ids)])[0]
     t_step = time.perf_counter()
     print(DONE, flush=True)
-    out = {"framework": "mindqwen", "layers": config.num_hidden_layers, "import_s": round(t_import - t0, 2),
+    out = {"framework": "mindqwen", "layout": args.layout, "layers": config.num_hidden_layers, "import_s": round(t_import - t0, 2),
            "build_s": round(args.build_s, 2), "model_and_data_s": round(t_built - t_import, 2),
            "compile_and_step_s": round(t_step - t_built, 2), "loss": round(float(loss), 4)}
     if args.generate:
@@ -97,7 +101,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--peer", help="python of the peer's virtualenv (torch + transformers + peft)")
     ap.add_argument("--no-generate", dest="generate", action="store_false")
+    ap.add_argument("--layouts", default="inlined", help="inlined and/or once, comma-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="inlined", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -105,7 +111,8 @@ def main() -> None:
     for layers in (int(d) for d in args.depths.split(",")):
         mine = [sys.executable, __file__, "--child", "--shape", args.shape, "--layers", str(layers),
                 "--batch", str(args.batch), "--seq", str(args.seq)] + ([] if args.generate else ["--no-generate"])
-        runs = [("mindqwen", mine, "stdout")] + ([("peer", peer_cmd(args.peer, args, layers), "stderr")] if args.peer else [])
+        runs = [("mindqwen", mine + ["--layout", layout], "stdout") for layout in args.layouts.split(",")]
+        runs += [("peer", peer_cmd(args.peer, args, layers), "stderr")] if args.peer else []
         for name, cmd, stream in runs:
             wall, out = timed(cmd, stream)
             keep = out if name == "mindqwen" else {"framework": "HF + PEFT (torch %s)" % out["versions"]["torch"],

@@ -77,20 +77,31 @@ def _cross_entropy_reference(h, w, labels):
 
 
 @pytest.mark.parametrize("rows", [3, 4, 64])  # uneven last chunk, even chunks, one chunk
-def test_chunked_cross_entropy_matches_closed_form(rows, mode):
-    from mindqwen.models.qwen import ChunkedCrossEntropy
+@pytest.mark.parametrize("kind", ["bprop", "in_forward_training", "in_forward"])
+def test_chunked_cross_entropy_matches_closed_form(rows, kind, mode):
+    from mindqwen.models.qwen import ChunkedCrossEntropy, ChunkedCrossEntropyInForward
     rng = np.random.default_rng(rows)
     h = rng.normal(0, 1, (10, 16)).astype(np.float32)
     w = rng.normal(0, 0.5, (40, 16)).astype(np.float32)
     labels = rng.integers(0, 40, 10).astype(np.int32)
     labels[[2, 7]] = -100
-    loss_fn = ChunkedCrossEntropy(rows)
-    grad_fn = ms.value_and_grad(loss_fn, (0, 1))
+    loss_fn = (ChunkedCrossEntropy if kind == "bprop" else ChunkedCrossEntropyInForward)(rows)
+    loss_fn.set_train(kind == "in_forward_training")  # else its forward is differentiated as written
+
+    def thrice(*args):  # dout 3
+        return loss_fn(*args) * 3.0
+
+    grad_fn = ms.value_and_grad(thrice, (0, 1))
     loss, (dh, dw) = grad_fn(ms.Tensor(h), ms.Tensor(w), ms.Tensor(labels))
     ref_loss, ref_dh, ref_dw = _cross_entropy_reference(h, w, labels)
-    assert abs(float(loss.asnumpy()) - ref_loss) <= 1e-5 * abs(ref_loss)
-    assert np.abs(dh.asnumpy() - ref_dh).max() <= 1e-5
-    assert np.abs(dw.asnumpy() - ref_dw).max() <= 1e-5
+    assert abs(float(loss.asnumpy()) - 3 * ref_loss) <= 3e-5 * abs(ref_loss)
+    assert np.abs(dh.asnumpy() - 3 * ref_dh).max() <= 3e-5
+    assert np.abs(dw.asnumpy() - 3 * ref_dw).max() <= 3e-5
+    if kind == "in_forward_training":  # a frozen head: dW is not formed
+        loss_fn.weight_grad = False
+        loss, (dh, dw) = ms.value_and_grad(loss_fn, (0, 1))(ms.Tensor(h), ms.Tensor(w), ms.Tensor(labels))
+        assert abs(float(loss.asnumpy()) - ref_loss) <= 1e-5 * abs(ref_loss)
+        assert np.abs(dh.asnumpy() - ref_dh).max() <= 1e-5 and not dw.asnumpy().any()
     assert np.abs(ref_dh[[2, 7]]).max() == 0  # ignored rows get no gradient
 
 

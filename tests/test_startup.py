@@ -105,13 +105,23 @@ def test_layers_with_the_same_settings_share_one_compiled_graph():
     assert layers[1].compiled_once is layers[2].compiled_once is not layers[0].compiled_once
 
 
-def test_compiled_once_layers_give_the_inlined_gradients():
-    """Full fine-tune, graph mode: the shared layer graph against the same layers inlined."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_compiled_once_layers_give_the_inlined_gradients(lora):
+    """Full fine-tune and LoRA (frozen weights stopped inside the shared graph; the chunked loss,
+    training mode), graph mode: the shared layer graph against the same layers inlined."""
+    from mindqwen import LoraConfig, apply_lora
     ids = ms.Tensor(np.arange(20, dtype=np.int32).reshape(2, 10) % 96)
     out = []
     with in_mode(ms.GRAPH_MODE):
         for share in (True, False):
             model = tiny(compile_once=share)
+            if lora:
+                apply_lora(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+                for p in model.trainable_params():  # B ≠ 0, so A has a gradient
+                    p.set_data(ms.Tensor(np.random.default_rng(0).normal(0, 0.1, p.shape).astype(np.float32)))
+                model.chunked_loss.rows = 7
+                model.set_train(True)
+            assert (model.model.layers[0].compiled_once is not None) == share
             loss, grads = ms.value_and_grad(model, None, model.trainable_params())(ids, None, ids)
             out.append((float(loss), [g.asnumpy() for g in grads]))
     assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
@@ -120,18 +130,22 @@ def test_compiled_once_layers_give_the_inlined_gradients():
 
 def test_surgery_regroups_the_layers():
     from mindqwen import LoraConfig, apply_lora
-    from mindqwen.models.graph import refresh_layer_graphs
+    from mindqwen.models.graph import sync_with_weights
     from mindqwen.train.recompute import apply_recompute
     model = tiny()
+    before = model.model.layers[0].compiled_once
     apply_lora(model, LoraConfig(r=2, target_modules=["q_proj"], layers_to_transform=[1]))
-    assert all(layer.compiled_once is None for layer in model.model.layers)  # frozen weights (qwen._shareable)
-    assert model.model.layers[0].cached_once is model.model.layers[2].cached_once is not None  # generation shares
+    layers = model.model.layers
+    assert layers[0].compiled_once is layers[2].compiled_once not in (None, before)  # frozen now
+    assert layers[1].compiled_once not in (None, layers[0].compiled_once)  # its q_proj is a LoRALayer
+    assert layers[0].cached_once is layers[2].cached_once is not None
+    assert type(model.chunked_loss) is qwen.ChunkedCrossEntropyInForward and not model.chunked_loss.weight_grad
+    shared = layers[0].compiled_once
     for p in model.get_parameters():  # thawed behind the model's back: the Stepper regroups
         p.requires_grad = True
-    assert refresh_layer_graphs(model) and not refresh_layer_graphs(model)
-    layers = model.model.layers
-    assert layers[0].compiled_once is layers[2].compiled_once is not None
-    assert layers[1].compiled_once not in (None, layers[0].compiled_once)  # its q_proj is a LoRALayer
+    assert sync_with_weights(model) and not sync_with_weights(model)
+    assert layers[0].compiled_once is layers[2].compiled_once not in (None, shared)
+    assert type(model.chunked_loss) is qwen.ChunkedCrossEntropy and model.chunked_loss.weight_grad
     model = tiny()
     apply_recompute(model, "full", every=2)
     assert [layer.compiled_once is None for layer in model.model.layers] == [True, False, True]
@@ -162,3 +176,14 @@ def test_compiled_once_logits_and_loss_match_hf(name):
         loss = float(model(ids, labels=ids).asnumpy())
     assert np.abs(logits - ref["logits"]).max() <= 5e-5
     assert abs(loss - float(ref["loss"])) <= 1e-5
+
+
+def test_a_recipe_compiles_its_layers_once():
+    from mindqwen.train.model import build_model
+    from mindqwen.train.recipe import ModelSection
+    config = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)
+    for once in (False, True):
+        layers = build_model(ModelSection(config=config, compile_once=once)).model.layers
+        assert (layers[0].compiled_once is layers[1].compiled_once is not None) == once
+

@@ -28,7 +28,7 @@ def invalidate_compiled_graphs(model: nn.Cell) -> None:
     precision change, the cached graph is stale. ``create_time`` is a read-only property over
     ``_create_time`` and there is no public reset, so every cell gets a new stamp. Decoder
     layers that changed get the compiled-once graph of their new signature
-    (``QwenModel.share_layer_graphs``).
+    (``sync_with_weights``).
     """
     stamp = time.time_ns()
     for _, cell in model.cells_and_names():
@@ -36,12 +36,14 @@ def invalidate_compiled_graphs(model: nn.Cell) -> None:
             raise RuntimeError("this MindSpore has no Cell._create_time: mindqwen cannot invalidate compiled "
                                "graphs after changing a model (tests/test_lora.py checks this hook)")
         object.__setattr__(cell, "_create_time", stamp)
-    refresh_layer_graphs(model)
+    sync_with_weights(model)
 
 
-def refresh_layer_graphs(model: nn.Cell) -> bool:
-    """Give the decoder layers of ``model`` whose signature changed (a weight frozen or thawed,
-    an adapter, a precision) the compiled-once graph of their new one; returns whether any did.
-    Graphs compiled before then are stale: callers that find a change invalidate them."""
-    changed = [cell.share_layer_graphs() for _, cell in model.cells_and_names() if hasattr(cell, "share_layer_graphs")]
+def sync_with_weights(model: nn.Cell) -> bool:
+    """Let every cell of ``model`` that compiles by which weights train (or by its layers'
+    settings) catch up with them: decoder layers whose signature changed (a weight frozen or
+    thawed, an adapter, a precision) get the compiled-once graph of their new one, the loss
+    forms the head's gradient only if the head trains. Returns whether anything changed: graphs
+    compiled before then are stale, and callers that find a change invalidate them."""
+    changed = [cell.sync_with_weights() for _, cell in model.cells_and_names() if hasattr(cell, "sync_with_weights")]
     return any(changed)

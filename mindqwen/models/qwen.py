@@ -82,8 +82,8 @@ def joined_weights(cells: tuple) -> tuple:
 
 def split_weights(w: tuple, cells: tuple) -> tuple:
     """w: the ``weights()`` of ``cells`` one after the other, flat → one tuple per cell. (Weights
-    travel flat: MindSpore 2.10 fails to differentiate a ``no_inline`` graph whose argument is a
-    tuple of tuples beside the chunked loss, a Cell with its own ``bprop``.)"""
+    travel flat: MindSpore 2.10 failed to differentiate a ``no_inline`` graph whose argument is a
+    tuple of tuples beside a Cell with its own ``bprop``.)"""
     out, start = (), 0
     for cell in cells:
         n = len(cell.weights())
@@ -674,22 +674,22 @@ def _mark_lazy_inline(layers) -> bool:
 
 def _shareable(layer: "DecoderLayer") -> bool:
     """Whether a dense layer's forward is shared (its KV-cache step always is: no gradients):
-    not marked for recompute, and every weight trains. (A frozen weight needs ``stop_gradient``
-    inside the shared graph, or its backward computes the weight's gradient for nothing: +24% step
-    time, +26% memory at Qwen2.5-0.5B LoRA; and MindSpore 2.10 fails to differentiate a graph
-    holding both a ``no_inline`` call that stops a gradient and a Cell with its own ``bprop``, the
-    chunked loss: "func graph is empty: zeros_like". So LoRA's layers stay inlined in training.)"""
+    not marked for recompute (recompute is a property of each layer's own graph)."""
     if layer.sparse or layer.use_fused_ops:
         return False
-    cells = [cell for _, cell in layer.cells_and_names()]
-    return (not any(getattr(cell, "_has_config_recompute", False) for cell in cells)
-            and all(p.requires_grad for p in layer.get_parameters()))
+    return not any(getattr(cell, "_has_config_recompute", False) for _, cell in layer.cells_and_names())
 
 
 def _compile_once(template: DecoderLayer) -> tuple:
-    """The ``no_inline`` forward and KV-cache step of the layers with ``template``'s signature."""
+    """The ``no_inline`` forward and KV-cache step of the layers with ``template``'s signature.
+    Frozen weights (LoRA's base) go through ``stop_gradient``: the shared backward is one graph
+    for every caller, and would otherwise form their gradients for nothing (+24% step time, +26%
+    memory at Qwen2.5-0.5B LoRA, benchmarks/no_inline_layer.py)."""
+    frozen = tuple(not p.requires_grad for p in template.weights())
+
     @ms.no_inline
     def decoder_layer(x, cos, sin, mask, *w):
+        w = tuple(ops.stop_gradient(t) if stop else t for t, stop in zip(w, frozen))
         return template.apply(w, x, cos, sin, mask)
 
     @ms.no_inline
@@ -731,7 +731,7 @@ class QwenModel(nn.Cell):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.CellList([DecoderLayer(config, i, dtype, use_fused_ops)
                                    for i in range(config.num_hidden_layers)])
-        self.share_layer_graphs()
+        self.sync_with_weights()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops)
         self.rotary_emb = RotaryEmbedding(config)
         self.sliding_window = config.sliding_window or 0
@@ -741,7 +741,7 @@ class QwenModel(nn.Cell):
         # its positions after an EOS and attends only within itself.
         self.document_eos_id = None
 
-    def share_layer_graphs(self) -> bool:
+    def sync_with_weights(self) -> bool:
         """Regroup the layers by signature (``share_layer_graphs``); whether any changed."""
         return share_layer_graphs(list(self.layers), self.compile_once)
 
@@ -873,50 +873,97 @@ def _label_log_probs(logits, labels):
     return ops.gather_elements(ops.log_softmax(logits, -1), 1, safe) * keep.astype(ms.float32)
 
 
-class ChunkedCrossEntropy(nn.Cell):
-    """Summed cross-entropy of the logits h·Wᵀ, ``rows`` rows at a time, with its own backward.
+_MATMUL_NT = ops.MatMul(transpose_b=True)  # h (r, H) · W (V, H)ᵀ
+_MATMUL_NN = ops.MatMul()  # dlogits (r, V) · W (V, H)
+_MATMUL_TN = ops.MatMul(transpose_a=True)  # dlogits (r, V)ᵀ · h (r, H)
 
-    Neither pass holds more than one (rows, V) fp32 block of logits (the chunked cross-entropy
-    of torchtune and Liger). The forward keeps nothing for the backward but its inputs; the
-    backward recomputes each block's softmax p and forms, with c = dout for kept rows, 0 for
-    ignored ones:
+
+class _LogitBlocks(nn.Cell):
+    """The cross-entropy of the logits h·Wᵀ taken ``rows`` rows at a time, so no pass holds more
+    than one (rows, V) fp32 block of logits (the chunked cross-entropy of torchtune and Liger):
+    its value, and its gradients formed block by block from each block's softmax p, with c = dout
+    for kept rows, 0 for ignored ones:
 
         dlogits = c·(p − onehot(label))                       (rows, V), one block at a time
         dh      = c·p·W − c·W[label]                          (rows, H)
         dW     += (c·p)ᵀ·h, then −c·h scattered to the label rows   (V, H)
 
-    When W is frozen (LoRA on a tied or frozen head) nothing consumes dW and the graph drops it.
+    ``weight_grad``: whether the head trains (``QwenForCausalLM.sync_with_weights``).
     """
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, weight_grad: bool = True):
         super().__init__()
-        self.rows = rows
-        self.matmul_nt = ops.MatMul(transpose_b=True)  # h (r, H) · W (V, H)ᵀ
-        self.matmul_nn = ops.MatMul()  # dlogits (r, V) · W (V, H)
-        self.matmul_tn = ops.MatMul(transpose_a=True)  # dlogits (r, V)ᵀ · h (r, H)
+        self.rows, self.weight_grad = rows, weight_grad
 
-    def construct(self, h, w, labels):
+    def value(self, h, w, labels):
         """h (T, H); w (V, H); labels (T,) int32, -100 ignored → the summed loss (fp32 scalar)."""
         total = ops.zeros((), ms.float32)
         for start in range(0, h.shape[0], self.rows):  # unrolled: T is static; slices clip at T
-            logits = self.matmul_nt(h[start:start + self.rows], w).astype(ms.float32)  # (r, V)
+            logits = _MATMUL_NT(h[start:start + self.rows], w).astype(ms.float32)  # (r, V)
             total = total - ops.reduce_sum(_label_log_probs(logits, labels[start:start + self.rows]))
         return total
 
+
+def _block(hc, w, labels, dout):
+    """One block: hc (r, H), labels (r,) → dh (r, H) fp32, c·p (r, V), the safe labels (r, 1), c (r, 1)."""
+    lab = labels.reshape(-1, 1)
+    keep = (lab != IGNORE_INDEX).astype(ms.int32)
+    safe = lab * keep  # ignored rows point at row 0 with a zero coefficient
+    coef = keep.astype(ms.float32) * dout  # (r, 1)
+    probs = ops.softmax(_MATMUL_NT(hc, w).astype(ms.float32), -1) * coef  # (r, V)
+    rows_w = ops.gather(w, safe.reshape(-1), 0).astype(ms.float32)  # (r, H): W[label]
+    return _MATMUL_NN(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w, probs, safe, coef
+
+
+class ChunkedCrossEntropy(_LogitBlocks):
+    """The chunked cross-entropy (``_LogitBlocks``) with its own backward: the forward keeps
+    nothing for it but its inputs, and the backward recomputes each block's softmax."""
+
+    def construct(self, h, w, labels):
+        return self.value(h, w, labels)
+
     def bprop(self, h, w, labels, out, dout):
+        # dW always: when the head is frozen nothing consumes it and the graph drops it. (The
+        # loop is written out: MindSpore 2.10 fails to compile a bprop that calls a loop.)
         dh, dw = (), ops.zeros(w.shape, ms.float32)
         for start in range(0, h.shape[0], self.rows):
-            hc, lab = h[start:start + self.rows], labels[start:start + self.rows].reshape(-1, 1)  # (r, H), (r, 1)
-            keep = (lab != IGNORE_INDEX).astype(ms.int32)
-            safe = lab * keep  # ignored rows point at row 0 with a zero coefficient
-            coef = keep.astype(ms.float32) * dout  # (r, 1)
-            probs = ops.softmax(self.matmul_nt(hc, w).astype(ms.float32), -1) * coef  # (r, V)
-            rows_w = ops.gather(w, safe.reshape(-1), 0).astype(ms.float32)  # (r, H): W[label]
-            dh = dh + ((self.matmul_nn(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w)
-                       .astype(h.dtype),)
-            dw = dw + self.matmul_tn(probs.astype(hc.dtype), hc).astype(ms.float32)
+            hc = h[start:start + self.rows]  # (r, H)
+            dh_c, probs, safe, coef = _block(hc, w, labels[start:start + self.rows], dout)
+            dh = dh + (dh_c.astype(h.dtype),)
+            dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
             dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
         return ops.cat(dh, 0), dw.astype(w.dtype), labels * 0
+
+
+class ChunkedCrossEntropyInForward(_LogitBlocks):
+    """The chunked cross-entropy (``_LogitBlocks``) whose training forward forms the gradients
+    (dout 1) and returns loss + Σ (h − stop_gradient(h))·dh (+ the same for W): the value is the
+    loss to the last bit (each added term is exactly 0) and its gradient is dout·(dh, dW).
+
+    For models with frozen weights: MindSpore 2.10 fails to differentiate a graph that holds a
+    Cell ``bprop`` beside a layer compiled once (``no_inline``) that stops a frozen weight's
+    gradient ("func graph is empty: zeros_like"). With a frozen head only dh (T, H) waits for the
+    backward; a trained head's dW (V, H) would wait too (+2 GB at the Qwen2.5-0.5B shape), so
+    full fine-tunes keep ``ChunkedCrossEntropy``. Outside training the forward is the loss alone.
+    """
+
+    def construct(self, h, w, labels):
+        if not self.training:
+            return self.value(h, w, labels)
+        hs, ws = ops.stop_gradient(h), ops.stop_gradient(w)
+        dh, dw = (), ops.zeros(w.shape, ms.float32)
+        for start in range(0, h.shape[0], self.rows):  # ChunkedCrossEntropy.bprop's with dout 1
+            hc = hs[start:start + self.rows]  # (r, H)
+            dh_c, probs, safe, coef = _block(hc, ws, labels[start:start + self.rows], ops.ones((), ms.float32))
+            dh = dh + (dh_c,)
+            if self.weight_grad:
+                dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
+                dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
+        dh = ops.cat(dh, 0)
+        total = self.value(hs, ws, labels) + ops.reduce_sum((h - hs).astype(ms.float32) * dh.astype(ms.float32))
+        if self.weight_grad:
+            total = total + ops.reduce_sum((w - ws).astype(ms.float32) * dw.astype(ms.float32))
+        return total
 
 
 class QwenForCausalLM(nn.Cell):
@@ -950,6 +997,18 @@ class QwenForCausalLM(nn.Cell):
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.moe_capacity_factor if config.num_experts else None
         self.capacity_multiple = 1  # SparseMoeBlock's, for the dropped share (set by shard_model)
+
+    def sync_with_weights(self) -> bool:
+        """The chunked loss for which weights train: a model with frozen weights forms its
+        gradients in the forward (``ChunkedCrossEntropyInForward``), and dW only for a trained
+        head. Whether it changed."""
+        head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        kind = (ChunkedCrossEntropyInForward if any(not p.requires_grad for p in self.get_parameters())
+                else ChunkedCrossEntropy)
+        if type(self.chunked_loss) is kind and self.chunked_loss.weight_grad == head.requires_grad:
+            return False
+        self.chunked_loss = kind(self.chunked_loss.rows, head.requires_grad)
+        return True
 
     def construct(self, input_ids, attention_mask=None, labels=None):
         h, _, router_logits = self.model.run(input_ids, attention_mask)

@@ -28,5 +28,9 @@ def model_config(section: ModelSection, vocab_size: Optional[int] = None) -> Qwe
 def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
     """From an HF checkpoint, or random weights of ``model_config(section, vocab_size)``."""
     if section.checkpoint:
-        return QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype, **section.config)
-    return QwenForCausalLM(model_config(section, vocab_size), getattr(ms, section.dtype))
+        model = QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype, **section.config)
+    else:
+        model = QwenForCausalLM(model_config(section, vocab_size), getattr(ms, section.dtype))
+    if section.compile_once:
+        model.model.set_compile_once(True)
+    return model

@@ -20,7 +20,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from mindqwen.models.graph import invalidate_compiled_graphs, refresh_layer_graphs
+from mindqwen.models.graph import invalidate_compiled_graphs, sync_with_weights
 from mindqwen.train.distributed import ParallelConfig
 
 _hyper_map = ops.HyperMap()
@@ -216,7 +216,7 @@ class Stepper:
                  micro_batches: int = 1, clip_norm: float = 1.0, dynamic_scaling: bool = False,
                  world: int = 1, parallel: Optional[ParallelConfig] = None,
                  loss_net: Optional[nn.Cell] = None):
-        if refresh_layer_graphs(model):  # a weight frozen or thawed since the layers were grouped
+        if sync_with_weights(model):  # a weight frozen or thawed since the model last looked
             invalidate_compiled_graphs(model)
         pipeline = 1
         if parallel is not None and parallel.model_parallel:
