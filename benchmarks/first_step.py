@@ -10,10 +10,10 @@ compiled step) and then the first generated token after load (``first_token_s``:
 graph's compile and one token, batch 1, 32-token prompt). One JSON line per process:
 
     python benchmarks/first_step.py [--shape qwen2.5-0.5b] [--depths 4,8,16,24] [--peer PYTHON]
-                                    [--batch 1 --seq 512] [--no-generate] [--layouts inlined,once]
+                                    [--batch 1 --seq 512] [--no-generate] [--layouts auto,on,off]
 
-``--layouts``: mindqwen's decoder layers inlined (the default) and/or compiled once
-(``model.compile_once``), each its own process, in that order before the peer at each depth.
+``--layouts``: mindqwen's ``compile_once`` settings (``benchmarks/train.py --compile-once``:
+auto, on, off), each its own process, in that order before the peer at each depth.
 
 Shapes and data as ``benchmarks/train.py`` (fp32, LoRA r 8 / alpha 32 on q_proj, v_proj, AdamW).
 The memory of this machine kind is slow to touch the first time after it was freed (~0.4 GB/s,
@@ -40,7 +40,7 @@ def child(args: argparse.Namespace) -> None:
     t_import = time.perf_counter()
     args.full, args.recompute, args.recompute_every, args.threads = False, "none", 1, 0
     args.targets, args.moe_capacity_factor, args.fusion, args.steps = "q_proj,v_proj", None, True, 1
-    args.compile_once = args.layout == "once"
+    args.compile_once = args.layout
     model, config, stepper, data = build(args)
     t_built = time.perf_counter()
     ids = ms.Tensor(data[0])
@@ -101,9 +101,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--peer", help="python of the peer's virtualenv (torch + transformers + peft)")
     ap.add_argument("--no-generate", dest="generate", action="store_false")
-    ap.add_argument("--layouts", default="inlined", help="inlined and/or once, comma-separated")
+    ap.add_argument("--layouts", default="auto", help="compile_once settings: auto, on, off, comma-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--layout", default="inlined", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -1,7 +1,7 @@
 """A line chart (PNG) of first_step.py's JSON lines: whole process to the first LoRA step
 against depth, one line per layout and one for the peer.
 
-    python benchmarks/first_step.py --depths 4,8,16,24 --layouts inlined,once --peer PY > fs.jsonl
+    python benchmarks/first_step.py --depths 4,8,16,24 --layouts auto,off --peer PY > fs.jsonl
     python benchmarks/plot_first_step.py fs.jsonl --out docs/img/first_step.png
 """
 import argparse
@@ -18,7 +18,7 @@ def series(lines: list) -> dict:
     """{label: [(layers, seconds)]} from first_step.py's records."""
     out = defaultdict(list)
     for rec in lines:
-        label = f"mindqwen, layers {rec['layout']}" if rec["framework"] == "mindqwen" else rec["framework"]
+        label = f"mindqwen, compile_once {rec['layout']}" if rec["framework"] == "mindqwen" else rec["framework"]
         out[label].append((rec["layers"], rec["wall_to_first_step_s"]))
     return {label: sorted(points) for label, points in out.items()}
 

@@ -70,8 +70,9 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="bench-small-moe: QwenConfig.moe_capacity_factor (default: exact, every expert on every token)")
     ap.add_argument("--no-fusion", dest="fusion", action="store_false",
                     help="turn off CPU graph-kernel fusion (mindqwen's default)")
-    ap.add_argument("--compile-once", action="store_true",
-                    help="compile equal decoder layers once (QwenModel.set_compile_once; off by default)")
+    ap.add_argument("--compile-once", default="auto", choices=["auto", "on", "off"],
+                    help="equal decoder layers compiled once (QwenModel.set_compile_once): auto (the "
+                         "default: LoRA's layers), on (every layer, the KV-cache step too), off")
     return ap
 
 
@@ -100,8 +101,9 @@ def build(args: argparse.Namespace) -> tuple:
     if not args.full:
         apply_lora(model, LoraConfig(r=8, lora_alpha=32, target_modules=args.targets.split(",")))
     apply_recompute(model, args.recompute, args.recompute_every)
-    if getattr(args, "compile_once", False):
-        model.model.set_compile_once(True)
+    mode = getattr(args, "compile_once", "auto")
+    if mode != "auto":
+        model.model.set_compile_once(mode == "on")
     model.set_train(True)
     optimizer = make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-4, args.steps))
     stepper = Stepper(model, optimizer, make_loss_scaler(PrecisionConfig()), clip_norm=0.0)

@@ -272,7 +272,7 @@ def cmd_serve(argv: List[str]) -> None:
     server = Server(generator, args.host or s.host, args.port if args.port is not None else s.port,
                     args.max_batch_size or s.max_batch_size, args.max_queue or s.max_queue, s.max_prompt_tokens,
                     g.config(), template or "qwen2.5", args.model_name, args.api_key, s.max_connections,
-                    s.max_body_bytes, s.keep_alive_s, s.log_prompts, s.local_images)
+                    s.max_body_bytes, s.keep_alive_s, s.log_prompts, s.allowed_local_media_path)
     host, port = server.address
     print(f"serving {args.model_name} on http://{host}:{port} (POST /v1/completions, /v1/chat/completions; "
           f"GET /v1/models, /health){'; API key required' if args.api_key else ''}", flush=True)

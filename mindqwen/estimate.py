@@ -23,7 +23,7 @@ its groups' trainable parameters (frozen | lora | full, as the recipe's policy s
 gradients and optimizer states, and what the tower and the cross-attention keep for backward
 to the activations (the same per-tensor model as the LM's, not calibrated separately).
 
-A device fits when the total is ≤ 90% of its memory (the seeds' headroom rule).
+A device fits when the total is ≤ 90% of its memory (10% headroom for the runtime and fragmentation).
 """
 from __future__ import annotations
 

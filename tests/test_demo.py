@@ -30,8 +30,6 @@ def test_demo_recipe_learns_and_writes_every_output(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["exact_match_before"], summary["exact_match_after"]
     assert after >= before + MARGIN, (before, after)
-    assert f"held-out exact match before fine-tuning: {before:.1%}" in r.stdout
-    assert f"held-out exact match after fine-tuning:  {after:.1%}" in r.stdout
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter" / "adapter_config.json").is_file()
     assert (out / "export" / "decode.mindir").is_file() and summary["export"]["passed"]
     assert summary["export"]["eager_same_steps"]["max_abs_logit_diff"] <= 1e-5

@@ -48,7 +48,7 @@ def _write_images(folder, n=8):
 
 def test_pipeline_batches_are_the_files_transformed(tokenizer, tmp_path):
     """Every batch the MindSpore pipeline yields (2 read workers, 2 transform workers) holds the
-    token rows of its records and the seeds' transforms of their files, read independently with PIL."""
+    token rows of its records and the transforms of their files (resize, crop, normalize), read independently with PIL."""
     path = _write_images(tmp_path)
     data, records = read_media_jsonl(str(path), tokenizer, image_token_id(tokenizer), 64, IMAGE, "qwen3", progress=False)
     assert isinstance(data.pixel_values, MediaColumn) and data.pixel_values.shape == (8, 3, 16, 16)

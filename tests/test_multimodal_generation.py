@@ -1,6 +1,7 @@
 """Image-conditioned generation: the image's cross-attention keys/values computed once in prefill
 and held beside the KV cache, against full recomputation of the fused model."""
 import functools
+import os
 
 import mindspore as ms
 import numpy as np
@@ -167,9 +168,9 @@ def test_the_image_export_reproduces_the_eager_model_in_a_process_without_mindqw
 
 
 def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
-    """POST /v1/chat/completions with an OpenAI ``image_url`` part (a base64 data URL, or a local
-    path) answers what the Generator answers for the same prompt and pixels; bad image parts get
-    400 naming why."""
+    """POST /v1/chat/completions with an OpenAI ``image_url`` part (a base64 data URL, or a path
+    in the server's allowed folder) answers what the Generator answers for the same prompt and
+    pixels; bad image parts get 400 naming why, refused paths one message for every reason."""
     import base64
     import json
     from PIL import Image
@@ -187,14 +188,20 @@ def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
     prompt = list(before.encode()) + [IMAGE_TOKEN] + list(after.encode())
     pixels = apply_transforms(load_image(str(tmp_path / "x.png")), image_transforms(16))
     alone = generator.run([prompt], GenerationConfig(max_new_tokens=5, eos_token_id=0), images=[pixels])[0]
-    server = Server(generator, port=0, defaults=GenerationConfig(max_new_tokens=5)).start()
+    media = tmp_path / "media"
+    media.mkdir()
+    Image.open(tmp_path / "x.png").save(media / "x.png")
+    (media / "broken.png").write_bytes(b"not an image")
+    os.symlink(tmp_path / "x.png", media / "out.png")  # a link out of the folder
+    server = Server(generator, port=0, defaults=GenerationConfig(max_new_tokens=5),
+                    allowed_local_media_path=str(media)).start()
     try:
         def chat(parts, **extra):
             body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 5, "temperature": 0, **extra}
             return _post(server, "/v1/chat/completions", body)
 
         question = {"type": "text", "text": "What is it?"}
-        for url in (data_url, str(tmp_path / "x.png"), f"file://{tmp_path / 'x.png'}"):
+        for url in (data_url, str(media / "x.png"), f"file://{media / 'x.png'}", str(media / ".." / "media" / "x.png")):
             status, body = chat([{"type": "image_url", "image_url": {"url": url}}, question])
             assert status == 200, body
             assert json.loads(body)["choices"][0]["message"]["content"] == alone.text
@@ -204,19 +211,26 @@ def test_the_server_answers_image_content_parts_as_the_generator_does(tmp_path):
                            ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}}], "not valid base64"),
                            ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
                             "image_url: cannot read the image"),
-                           ([{"type": "image_url", "image_url": {"url": str(tmp_path / "none.png")}}], "none.png"),
                            ([{"type": "text", "text": "\x07 hi"}], "holds the image token 7 without an image")]:
             status, body = chat(parts)
             assert status == 400 and why in json.loads(body)["error"]["message"], (why, body)
+        # Every refused path, whatever the reason, gets one message: outside the folder (a file that
+        # exists, by a path, "..", a link), missing, not an image, a folder.
+        refused = {chat([{"type": "image_url", "image_url": {"url": url}}, question])
+                   for url in (str(tmp_path / "x.png"), str(media / ".." / "x.png"), str(media / "out.png"),
+                               str(media / "none.png"), str(media / "broken.png"), str(media), "/etc/passwd")}
+        assert len(refused) == 1 and next(iter(refused))[0] == 400, refused
     finally:
         server.shutdown()
-    server = Server(generator, port=0, local_images=False).start()
+    server = Server(generator, port=0).start()  # the default: no local paths at all
     try:
         status, body = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": str(tmp_path / "x.png")}}]}]})
         assert status == 400 and "local image paths are off" in body
     finally:
         server.shutdown()
+    with pytest.raises(ValueError, match="is not a folder"):
+        Server(generator, port=0, allowed_local_media_path=str(tmp_path / "x.png"))
 
 
 def test_the_server_decodes_images_off_the_event_loop(tmp_path):
@@ -230,7 +244,8 @@ def test_the_server_decodes_images_off_the_event_loop(tmp_path):
     from test_serve import _post
     _, model = _shared_model(1)
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "x.png")
-    server = Server(Generator(model, ByteTokenizer()), port=0, defaults=GenerationConfig(max_new_tokens=2)).start()
+    server = Server(Generator(model, ByteTokenizer()), port=0, defaults=GenerationConfig(max_new_tokens=2),
+                    allowed_local_media_path=str(tmp_path)).start()
     reading, release, read = threading.Event(), threading.Event(), server.read_image
     server.read_image = lambda url: (reading.set(), release.wait(60), read(url))[-1]
     try:

@@ -12,7 +12,7 @@ import pytest
 from conftest import fixture_path
 from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora, from_pretrained
 from mindqwen.train.distributed import (ParallelConfig, assign_pipeline_stages, check_layout, check_model_layout,
-                                        init_parallel, shard_model)
+                                        init_parallel, setup_model_parallel, shard_model)
 
 DP, TP = 3, 2  # distinct, so a strategy entry tells which axis each one splits
 
@@ -151,3 +151,37 @@ def test_moe_experts_are_split_by_expert_and_like_the_mlp_and_routers_kept_whole
     config.moe_intermediate_size = 33
     with pytest.raises(ValueError, match="tensor_parallel=2 must divide moe_intermediate_size=33"):
         check_model_layout(config, ParallelConfig(tensor_parallel=2))
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
+def test_setup_model_parallel_up_to_the_compile(kind, tmp_path):
+    """Everything ``setup_model_parallel`` does before MindSpore needs Ascend (the compile): the
+    strategies, the stages, the strategy file's path, on tied, untied and MoE models."""
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=kind == "tied")
+    if kind == "moe":
+        config.update(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      head_dim=8, qkv_bias=False, qk_norm=True)
+    model = QwenForCausalLM(QwenConfig(**config))
+    pp = 1 if kind == "tied" else 2  # a tied head cannot leave the embedding's stage
+    parallel = ParallelConfig(data_parallel=2, tensor_parallel=2, pipeline_parallel=pp, pipeline_micro_batches=pp,
+                              expert_parallel=2 if kind == "moe" else 1)
+    try:
+        folder = setup_model_parallel(model, parallel, str(tmp_path), rank=3)
+        saved = ms.get_auto_parallel_context("strategy_ckpt_config")["save_file"]
+    finally:
+        ms.reset_auto_parallel_context()
+    assert folder == str(tmp_path / "rank_3") and saved == str(tmp_path / "rank_3" / "strategy.ckpt")
+    layers = model.model.layers
+    assert [layer.pipeline_stage for layer in layers] == ([0, 0, 0, 0] if pp == 1 else [0, 0, 1, 1])
+    assert model.model.embed_tokens.pipeline_stage == 0 and model.model.norm.pipeline_stage == pp - 1
+    attn = layers[0].self_attn
+    assert strategy(attn.q_proj) == ((2, 1), (2, 1)) and strategy(attn.o_proj) == ((2, 2), (1, 2))
+    head = model.head_matmul if model.tied else model.lm_head.matmul
+    assert head.attrs["in_strategy"] == ((2, 1), (2, 1)) and model.chunked_loss.rows == 0
+    if kind == "untied":
+        assert model.lm_head.pipeline_stage == pp - 1
+    if kind == "moe":
+        experts = layers[0].mlp.experts
+        assert experts.gate_proj.bmm.attrs["in_strategy"] == ((2, 1, 1), (2, 2, 1))  # (E, C, in), (E, out, in)
+

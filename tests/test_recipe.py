@@ -142,6 +142,17 @@ def test_validate_errors_name_file_and_key(real_recipe, overrides, match):
         validate_recipe(real_recipe, overrides)
 
 
+@pytest.mark.parametrize("recipe", ["demo/demo.yaml", "multimodal/shapes.yaml"])
+def test_validate_runs_the_exports_checks(recipe):
+    """The export that runs after training fails in validate, not after the training (both
+    recipes' models have max_position_embeddings 64)."""
+    path = os.path.join(ROOT, "recipes", recipe)
+    with pytest.raises(RecipeError, match=r"export: max_seq_len must be in 2\.\.64 \(max_position_embeddings\), got 80"):
+        validate_recipe(path, ["export.enabled=true", "export.max_seq_len=80", "export.seq_buckets=[48]"], tiny=True)
+    with pytest.raises(RecipeError, match=r"export: seq_buckets must lie in 1\.\.max_seq_len \(64\)"):
+        validate_recipe(path, ["export.enabled=true", "export.max_seq_len=64", "export.seq_buckets=[96]"], tiny=True)
+
+
 def test_validate_cli_prints_one_line_errors(real_recipe):
     r = subprocess.run([sys.executable, "-m", "mindqwen", "validate", real_recipe, "lora.target_modules=[qq_proj]"],
                        capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})

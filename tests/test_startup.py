@@ -95,8 +95,13 @@ def tiny(layers=3, compile_once=True, **overrides):
 
 
 def test_layers_with_the_same_settings_share_one_compiled_graph():
-    assert all(layer.compiled_once is None and layer.cached_once is None
-               for layer in tiny(compile_once=False).model.layers)  # the default: inlined
+    from mindqwen import LoraConfig, apply_lora
+    for mode in (False, None):  # None, the default: only a model with frozen weights shares
+        assert all(layer.compiled_once is None and layer.cached_once is None
+                   for layer in tiny(compile_once=mode).model.layers)
+    layers = apply_lora(tiny(compile_once=None), LoraConfig(r=2, target_modules=["q_proj"])).model.layers
+    assert len({id(layer.compiled_once) for layer in layers}) == 1 and layers[0].compiled_once is not None
+    assert all(layer.cached_once is None for layer in layers)  # generation stays inlined
     model = tiny()
     graphs = {id(layer.compiled_once) for layer in model.model.layers}
     assert len(graphs) == 1 and None not in {layer.compiled_once for layer in model.model.layers}
@@ -183,7 +188,7 @@ def test_a_recipe_compiles_its_layers_once():
     from mindqwen.train.recipe import ModelSection
     config = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=32)
-    for once in (False, True):
+    for once in (False, True, None):  # None: only a model with frozen weights shares (this one has none)
         layers = build_model(ModelSection(config=config, compile_once=once)).model.layers
-        assert (layers[0].compiled_once is layers[1].compiled_once is not None) == once
+        assert (layers[0].compiled_once is layers[1].compiled_once is not None) == bool(once)
 

@@ -122,7 +122,7 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
         RuntimeError: the exported graphs disagree with the eager model.
     """
     buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
-    check_export(model, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode, tokenizer_files)
+    check_export(model.config, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode, tokenizer_files)
     with atomic_folder(folder) as staging:
         plain = deploy_copy(model, dtype)
         graphs = graph_specs(plain.config, max_seq_len, dtype)
@@ -137,15 +137,16 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
     return manifest
 
 
-def check_export(model: nn.Cell, batch_sizes: Sequence[int], max_seq_len: int, buckets: List[int], dtype: str,
+def check_export(config: QwenConfig, batch_sizes: Sequence[int], max_seq_len: int, buckets: List[int], dtype: str,
                  target: str, precision_mode: Optional[str], tokenizer_files: Sequence[str]) -> None:
-    """Every argument of an export checked before anything is written: ``ValueError`` naming it
-    (``FileNotFoundError`` for a tokenizer file)."""
+    """Every argument of an export of a model with ``config`` checked before anything is written
+    (and by ``mindqwen validate`` before training): ``ValueError`` naming it (``FileNotFoundError``
+    for a tokenizer file)."""
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    limit = model.config.max_position_embeddings
+    limit = config.max_position_embeddings
     if not 1 < max_seq_len <= limit:
         raise ValueError(f"max_seq_len must be in 2..{limit} (max_position_embeddings), got {max_seq_len}")
     if buckets[0] < 1 or buckets[-1] > max_seq_len:

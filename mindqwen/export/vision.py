@@ -173,7 +173,7 @@ def export_image_graphs(model: MultimodalQwen, folder: str, batch_sizes: Sequenc
         RuntimeError: the exported graphs disagree with the eager model.
     """
     buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
-    check_export(model, batch_sizes, max_seq_len, buckets, "float32", target, precision_mode, tokenizer_files)
+    check_export(model.config, batch_sizes, max_seq_len, buckets, "float32", target, precision_mode, tokenizer_files)
     plain = plain_fused(model)
     graphs = image_graph_specs(plain, max_seq_len)
     os.makedirs(folder)

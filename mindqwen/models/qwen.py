@@ -636,27 +636,37 @@ class DecoderLayer(nn.Cell):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def share_layer_graphs(layers, enabled: bool = True) -> bool:
-    """With ``enabled``, give every dense layer the ``no_inline`` graphs of its signature, made
-    from the first layer with that signature: its KV-cache step (``cached_once``) and, where
-    ``_shareable``, its forward (``compiled_once``); without, inline every layer. Returns whether
-    any layer's changed. On Ascend the layers are marked for ``lazy_inline`` instead, always.
-    Called when the model is built, whenever its compiled graphs are invalidated
-    (``invalidate_compiled_graphs``) and when a ``Stepper`` is built."""
+def share_layer_graphs(layers, mode: Optional[bool] = None) -> bool:
+    """Give dense layers the ``no_inline`` graphs of their signature, made from the first layer
+    with that signature: the forward (``compiled_once``) where ``_shareable``, the KV-cache step
+    (``cached_once``). ``mode`` True shares both, False neither, None (auto) the forward of layers
+    with frozen weights (LoRA's training) and no KV-cache step: where the CPU's numbers favour it
+    (docs/performance.md, "Time to first step"). Returns whether any layer's changed. On Ascend
+    the layers are marked for ``lazy_inline`` instead, always. Called when the model is built,
+    whenever its compiled graphs are invalidated (``invalidate_compiled_graphs``) and when a
+    ``Stepper`` is built."""
     if layers and layers[0].use_fused_ops:
         return _mark_lazy_inline(layers)
-    states = [(None if layer.sparse or not enabled else layer_signature(layer), enabled and _shareable(layer))
-              for layer in layers]
+    states = [_share_plan(layer, mode) for layer in layers]
     if all(layer.signature == state for layer, state in zip(layers, states)):
         return False
     graphs = {}
-    for layer, (sig, shareable) in zip(layers, states):
+    for layer, (sig, forward, cached) in zip(layers, states):
         if sig is not None and sig not in graphs:
             graphs[sig] = _compile_once(layer)
-        forward, cached = graphs.get(sig, (None, None))
-        layer.compiled_once, layer.cached_once = forward if shareable else None, cached
-        layer.signature = (sig, shareable)
+        shared = graphs.get(sig, (None, None))
+        layer.compiled_once, layer.cached_once = shared[0] if forward else None, shared[1] if cached else None
+        layer.signature = (sig, forward, cached)
     return True
+
+
+def _share_plan(layer: "DecoderLayer", mode: Optional[bool]) -> tuple:
+    """(signature or None, share the forward, share the KV-cache step) for ``share_layer_graphs``."""
+    if layer.sparse or mode is False:
+        return None, False, False
+    frozen = any(not p.requires_grad for p in layer.get_parameters())
+    forward, cached = _shareable(layer) and (mode or frozen), bool(mode)
+    return (layer_signature(layer) if forward or cached else None), forward, cached
 
 
 def _mark_lazy_inline(layers) -> bool:
@@ -724,7 +734,7 @@ class QwenModel(nn.Cell):
     """Embeddings → decoder layers → final RMSNorm."""
 
     def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: bool = False,
-                 compile_once: bool = False):
+                 compile_once: Optional[bool] = None):
         super().__init__()
         self.config = config
         self.compile_once = compile_once  # set_compile_once
@@ -745,16 +755,18 @@ class QwenModel(nn.Cell):
         """Regroup the layers by signature (``share_layer_graphs``); whether any changed."""
         return share_layer_graphs(list(self.layers), self.compile_once)
 
-    def set_compile_once(self, on: bool = True) -> None:
+    def set_compile_once(self, mode: Optional[bool] = True) -> None:
         """Compile equal decoder layers once (``mindspore.no_inline``) instead of once per layer.
 
-        On the CPU this trades speed for start-up time (docs/performance.md, "Time to first step"):
-        at the Qwen2.5-0.5B shape the first generated token comes after 5.9 s instead of 23.2 s and
-        a full fine-tune's step compiles in 47 s instead of 72 s, but decoding runs at 5.5 tokens/s
-        instead of 9.6, and a small model's step is up to 40% slower. Off by default; worth it for
-        a few generated tokens or steps in a notebook.
+        On the CPU this trades steady speed for start-up time (docs/performance.md, "Time to
+        first step"). At the Qwen2.5-0.5B shape (24 layers): a LoRA step compiles in ~9 s instead
+        of ~34 s for a step within noise of the inlined one (+3% on average), so ``None`` (auto,
+        the default) shares the layers of models with frozen weights; a full fine-tune's 4-layer
+        step is 36% slower shared, so its layers stay inlined. ``True`` also shares the KV-cache
+        step: the first generated token after 5.9 s instead of 23.2 s, then 5.5 tokens/s instead
+        of 9.6: worth it for a few answers in a notebook. ``False`` inlines every layer.
         """
-        self.compile_once = bool(on)
+        self.compile_once = mode if mode is None else bool(mode)
         invalidate_compiled_graphs(self)
 
     def _documents(self, input_ids, attention_mask, idx, future):
@@ -975,8 +987,9 @@ class QwenForCausalLM(nn.Cell):
     """
 
     def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None,
-                 compile_once: bool = False):
-        """compile_once: compile equal decoder layers once (``QwenModel.set_compile_once``)."""
+                 compile_once: Optional[bool] = None):
+        """compile_once: compile equal decoder layers once: True, False, None (auto: the layers of
+        a model with frozen weights, in training and forward passes), ``QwenModel.set_compile_once``."""
         super().__init__()
         self.config = config
         if ms.get_context("device_target") == "CPU":

@@ -1,5 +1,5 @@
 """Image-text and video-text data: JSONL records whose images stay on disk, read through the
-MindSpore dataset pipeline (``mindqwen.data.loader.mindspore_dataset``) with the seeds' transforms.
+MindSpore dataset pipeline (``mindqwen.data.loader.mindspore_dataset``), transformed as below.
 
     {"image": "img/1.jpg", "caption": "..."}  or  {"image": ..., "messages": [... "<image>" ...]}
     file ─► load_image (RGB, HWC uint8; a corrupt file is an error naming it)

@@ -50,9 +50,8 @@ class GroupPolicy:
 
 @dataclass
 class MultimodalLoraConfig:
-    """Per group policy, in one place. Defaults are the seeds' ``MultimodalLoRA(r=8)`` with a
-    ``CrossAttentionLoRA(r=4)``: vision LoRA r 8 on attention, projector trained fully, text
-    LoRA r 8 on q/v, cross-attention LoRA r 4 on q/k/v/o (+ gates).
+    """Per group policy, in one place. Defaults: vision LoRA r 8 on attention, projector
+    trained fully, text LoRA r 8 on q/v, cross-attention LoRA r 4 on q/k/v/o (+ gates).
 
     Attributes:
         temporal_r: video only: LoRA rank of the temporal attention projections; the spatial

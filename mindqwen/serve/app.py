@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -77,8 +78,9 @@ class Server:
         max_body_bytes: larger request bodies get 413.
         keep_alive_s: idle keep-alive connections close after this.
         log_prompts: include prompt text in the request log.
-        local_images: a multimodal model's chat requests may name image files on this machine
-            (``image_url`` a path or ``file://``); data URLs are always accepted.
+        allowed_local_media_path: a folder on this machine whose image files a multimodal
+            model's chat requests may name (``image_url`` a path or ``file://``); None (default):
+            none, data URLs only (always accepted).
     """
 
     def __init__(self, generator: Generator, host: str = "127.0.0.1", port: int = 8000,
@@ -86,7 +88,7 @@ class Server:
                  max_prompt_tokens: int = 2048, defaults: Optional[GenerationConfig] = None,
                  chat_template: str = "qwen2.5", model_name: str = "mindqwen", api_key: Optional[str] = None,
                  max_connections: int = 512, max_body_bytes: int = 1 << 20, keep_alive_s: float = 5.0,
-                 log_prompts: bool = False, local_images: bool = True):
+                 log_prompts: bool = False, allowed_local_media_path: Optional[str] = None):
         if generator.tokenizer is None:
             raise ValueError("serving needs a tokenizer")
         self.generator, self.tokenizer = generator, generator.tokenizer
@@ -96,7 +98,10 @@ class Server:
         self.vocab_size = generator.model.config.vocab_size
         self.defaults = defaults or GenerationConfig(max_new_tokens=128)
         self.chat_template, self.model_name, self.log_prompts = chat_template, model_name, log_prompts
-        self.image_token_id, self.local_images = generator.image_token_id, local_images
+        self.image_token_id = generator.image_token_id
+        self.media_folder = os.path.realpath(allowed_local_media_path) if allowed_local_media_path else None
+        if self.media_folder is not None and not os.path.isdir(self.media_folder):
+            raise ValueError(f"serve.allowed_local_media_path: {allowed_local_media_path} is not a folder")
         self.created = int(time.time())
         self.sock = socket.create_server((host, port), backlog=2048, reuse_port=False)
         self.address = self.sock.getsockname()[:2]
@@ -184,8 +189,10 @@ class Server:
                 self.read_image(urls[0]))
 
     def read_image(self, url) -> np.ndarray:
-        """An ``image_url`` (a base64 data URL, or a local path when ``local_images``) as the
-        model's pixel values, transformed as in training; raises ``ApiError`` (400) naming why."""
+        """An ``image_url`` (a base64 data URL, or a path under ``allowed_local_media_path``) as
+        the model's pixel values, transformed as in training; raises ``ApiError`` (400) naming why.
+        A path is refused with one message whatever the reason (outside the folder, missing,
+        unreadable), so a client cannot learn which files exist on the server."""
         import base64
         import binascii
         import io
@@ -207,17 +214,30 @@ class Server:
         elif url.startswith(("http://", "https://")):
             raise ApiError(400, "images are not fetched over the network: send a data URL "
                                 "(data:image/png;base64,...)", "messages")
-        elif not self.local_images:
-            raise ApiError(400, "local image paths are off on this server (serve.local_images): send a data URL",
-                           "messages")
+        elif self.media_folder is None:
+            raise ApiError(400, "local image paths are off on this server (serve.allowed_local_media_path): "
+                                "send a data URL", "messages")
         else:
-            source = url[len("file://"):] if url.startswith("file://") else url
+            return self.read_local_image(url[len("file://"):] if url.startswith("file://") else url)
         try:
             rgb = load_image(source)
         except ValueError as e:
-            raise ApiError(400, f"image_url: {str(e).split(': ', 1)[-1] if isinstance(source, io.BytesIO) else e}",
-                           "messages") from None
+            raise ApiError(400, f"image_url: {str(e).split(': ', 1)[-1]}", "messages") from None
         return apply_transforms(rgb, image_transforms(vision.image_size))
+
+    def read_local_image(self, path: str) -> np.ndarray:
+        """``read_image`` of a path: only a readable image file under the allowed folder (links
+        resolved first, so neither ``..`` nor a link leads out of it)."""
+        from mindqwen.multimodal.data import apply_transforms, image_transforms, load_image
+        real = os.path.realpath(path)
+        try:
+            if os.path.commonpath([real, self.media_folder]) != self.media_folder or not os.path.isfile(real):
+                raise ValueError(path)
+            rgb = load_image(real)
+        except ValueError:
+            raise ApiError(400, "image_url: no readable image at this path in the server's allowed folder "
+                                "(serve.allowed_local_media_path)", "messages") from None
+        return apply_transforms(rgb, image_transforms(self.generator.model.vision_config.image_size))
 
     def config(self, request, max_new_tokens: int, choice: int = 0) -> GenerationConfig:
         d = self.defaults

@@ -179,7 +179,8 @@ def assign_pipeline_stages(model: nn.Cell, stages: int) -> None:
     for i, layer in enumerate(layers):
         layer.pipeline_stage = i * stages // len(layers)
     model.model.norm.pipeline_stage = stages - 1
-    model.lm_head.pipeline_stage = stages - 1
+    if not model.tied:  # a tied head is the embedding matrix (one stage only: check_model_layout)
+        model.lm_head.pipeline_stage = stages - 1
 
 
 def setup_model_parallel(model: nn.Cell, parallel: ParallelConfig, output_dir: str, rank: int) -> str:

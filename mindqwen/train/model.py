@@ -31,6 +31,6 @@ def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> Qwen
         model = QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype, **section.config)
     else:
         model = QwenForCausalLM(model_config(section, vocab_size), getattr(ms, section.dtype))
-    if section.compile_once:
-        model.model.set_compile_once(True)
+    if section.compile_once is not None:
+        model.model.set_compile_once(section.compile_once)
     return model

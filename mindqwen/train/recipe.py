@@ -52,16 +52,16 @@ class ModelSection:
             checkpoint's ``moe_capacity_factor``).
         dtype: parameter dtype: float32 | float16 | bfloat16 (Ascend only).
         compile_once: compile equal decoder layers once instead of once per layer
-            (``QwenModel.set_compile_once``): on the CPU, a shorter wait for the first step and
-            the first token, slower steps after it (at the Qwen2.5-0.5B shape, LoRA: compile
-            41 → 15 s, step +8%: worth it below ~40 steps, e.g. a smoke test).
+            (``QwenModel.set_compile_once``): null (auto) for LoRA's training layers, true for
+            every layer and the KV-cache step too (the first token sooner, decoding slower),
+            false for none.
     """
 
     checkpoint: Optional[str] = None
     preset: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict, metadata={"schema": QwenConfig})
     dtype: str = "float32"
-    compile_once: bool = False
+    compile_once: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -221,8 +221,9 @@ class ServeSection:
         max_body_bytes: larger request bodies get HTTP 413.
         keep_alive_s: idle keep-alive connections close after this many seconds.
         log_prompts: write prompt text into the request log (off: sizes and status only).
-        local_images: a multimodal model's chat requests may name image files on the server's
-            machine (``image_url`` a path or ``file://``); data URLs are always accepted.
+        allowed_local_media_path: a folder on the server's machine whose image files a
+            multimodal model's chat requests may name (``image_url`` a path or ``file://``);
+            null: none, data URLs only (always accepted).
     """
 
     host: str = "127.0.0.1"
@@ -234,7 +235,7 @@ class ServeSection:
     max_body_bytes: int = 1048576
     keep_alive_s: float = 5.0
     log_prompts: bool = False
-    local_images: bool = True
+    allowed_local_media_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         if min(self.max_batch_size, self.max_queue, self.max_prompt_tokens, self.max_connections,
@@ -515,7 +516,3 @@ def bundled_recipes() -> Dict[str, str]:
                 found[os.path.relpath(path, root)[:-len(".yaml")].replace(os.sep, "/")] = path
     return dict(sorted(found.items()))
 
-
-def recipe_to_dict(recipe: Recipe) -> dict:
-    """The recipe as plain data (for writing next to checkpoints)."""
-    return dataclasses.asdict(recipe)

@@ -142,6 +142,19 @@ def check_numerics(recipe: Recipe, config: QwenConfig, path: str, device: Option
         raise RecipeError(f"{path}: trainer.precision: {e}") from None
 
 
+def check_export_section(recipe: Recipe, config: QwenConfig, path: str, dtype: Optional[str] = None) -> None:
+    """The export that runs after training, checked as it will be (``dtype``: the one it uses)."""
+    from mindqwen.export.mindir import check_export, default_buckets
+    e = recipe.export
+    if not e.enabled:
+        return
+    try:
+        check_export(config, e.batch_sizes, e.max_seq_len, sorted(set(e.seq_buckets or default_buckets(e.max_seq_len))),
+                     dtype or e.dtype, e.soc_version, e.precision_mode, ())
+    except ValueError as err:
+        raise RecipeError(f"{path}: export: {err}") from None
+
+
 def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
     """Everything ``train`` would otherwise fail on later; returns a short report.
 
@@ -157,6 +170,7 @@ def check_recipe(recipe: Recipe, path: str, tiny: bool = False) -> str:
             raise RecipeError(f"{path}: --tiny needs model.preset (the architecture) when model.checkpoint is set")
     config = recipe_model_config(recipe, path)
     check_numerics(recipe, config, path, None if tiny else ms.get_context("device_target"))
+    check_export_section(recipe, config, path)
     if tiny:
         if recipe.data.synthetic is None and recipe.data.train is None:
             raise RecipeError(f"{path}: data.train is required (or data.synthetic for generated data)")
@@ -259,6 +273,7 @@ def validate_multimodal(recipe: Recipe, path: str, tiny: bool = False) -> str:
         raise RecipeError(f"{path}: model.config.vocab_size={config.vocab_size} has no id for <image> "
                           f"({image_id}: after the tokenizer's pieces)")
     check_numerics(recipe, config, path, None if tiny else ms.get_context("device_target"))
+    check_export_section(recipe, config, path, "float32")  # image-conditioned graphs export in fp32
     data = "the shapes demo's, written at train time" if m.shapes is not None else "not read (--tiny)"
     if m.shapes is None and not tiny:
         from mindqwen.data.tokenizer import load_tokenizer
