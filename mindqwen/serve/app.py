@@ -58,10 +58,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
-    def response(self) -> JSONResponse:
+    def body(self) -> dict:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}},
-                            status_code=self.status)
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 class Server:
@@ -239,6 +241,10 @@ class Server:
                                 "(serve.allowed_local_media_path)", "messages") from None
         return apply_transforms(rgb, image_transforms(self.generator.model.vision_config.image_size))
 
+    def stops(self, request) -> List[str]:
+        """The request's stop strings, else the server's defaults."""
+        return request.stop_list() if request.stop is not None else list(self.defaults.stop_strings)
+
     def config(self, request, max_new_tokens: int, choice: int = 0) -> GenerationConfig:
         d = self.defaults
         temperature = d.temperature if request.temperature is None else request.temperature
@@ -249,7 +255,7 @@ class Server:
             top_p=d.top_p if request.top_p is None else request.top_p,
             top_k=d.top_k if request.top_k is None else request.top_k,
             repetition_penalty=d.repetition_penalty if request.repetition_penalty is None else request.repetition_penalty,
-            stop_strings=request.stop_list() if request.stop is not None else list(d.stop_strings),
+            stop_strings=self.stops(request),
             seed=None if request.seed is None else request.seed + choice, eos_token_id=self.tokenizer.eos_token_id,
             top_logprobs=request.top_logprobs_wanted())
 
@@ -314,190 +320,228 @@ def checked(model, data: dict):
         raise ApiError(400, f"{param}: {message}" if param else message, param) from None
 
 
-def build_app(server: Server) -> "FastAPI":
-    app = FastAPI(title="mindqwen", docs_url=None, redoc_url=None, openapi_url=None)
+def usage(jobs: List[Job], n: int, completion: int) -> dict:
+    """OpenAI's token counts: each prompt once, whatever ``n`` (the choices per prompt)."""
+    prompt = sum(len(j.prompt) for j in jobs[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request, exc: ApiError):
-        return exc.response()
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request, exc: HTTPException):
-        message = f"no endpoint {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
-        return ApiError(exc.status_code, str(message)).response()
+def sse(payload: dict) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, exc: RequestValidationError):
-        return ApiError(400, str(exc.errors()[0].get("msg", "bad request"))).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_request, exc: Exception):
-        log.error("internal error: %s", type(exc).__name__, exc_info=exc)
-        return ApiError(500, "internal server error").response()
+def _server(request: Request) -> Server:
+    return request.app.state.server
 
-    @app.middleware("http")
-    async def _auth_and_log(request: Request, call_next):
-        start = time.monotonic()
-        if server.api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-                return ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                code="invalid_api_key").response()
-        response = await call_next(request)
-        log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
-                 1000 * (time.monotonic() - start))
-        return response
 
-    @app.get("/health")
-    async def health():
-        w = server.worker
-        return {"status": "ok" if w.accepting else "shutting down", "queued": w.queue.qsize(),
-                "batches": w.batch_sizes[-32:]}
+async def on_api_error(_request, exc: ApiError):
+    return exc.response()
 
-    def model_card():
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "mindqwen"}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+async def on_http_error(request, exc: HTTPException):
+    message = f"no endpoint {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
+    return ApiError(exc.status_code, str(message)).response()
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != server.model_name:
-            raise ApiError(404, f"no model {model_id!r}; this server serves {server.model_name!r}", "model",
-                           "model_not_found")
-        return model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await answer(request, checked(CompletionRequest, await read_json(request, server.max_body)))
+async def on_validation_error(_request, exc: RequestValidationError):
+    return ApiError(400, str(exc.errors()[0].get("msg", "bad request"))).response()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        return await answer(request, checked(ChatRequest, await read_json(request, server.max_body)))
 
-    async def answer(http: Request, req):
-        loop = asyncio.get_running_loop()
-        if isinstance(req, ChatRequest) and any(m.image_urls() for m in req.messages):
-            # Decoding and resizing an image takes milliseconds to seconds: off the event loop, so
-            # streams of other requests keep flowing meanwhile.
-            jobs = await loop.run_in_executor(None, server.jobs, req, loop)
+async def on_unexpected(_request, exc: Exception):
+    log.error("internal error: %s", type(exc).__name__, exc_info=exc)
+    return ApiError(500, "internal server error").response()
+
+
+async def auth_and_log(request: Request, call_next):
+    """Every /v1 request carries the API key, when the server has one; every request is logged."""
+    start, key = time.monotonic(), _server(request).api_key
+    if key is not None and request.url.path.startswith("/v1/"):
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                            code="invalid_api_key").response()
+    response = await call_next(request)
+    log.info("%s %s %d %.0f ms", request.method, request.url.path, response.status_code,
+             1000 * (time.monotonic() - start))
+    return response
+
+
+async def health(request: Request):
+    w = _server(request).worker
+    return {"status": "ok" if w.accepting else "shutting down", "queued": w.queue.qsize(),
+            "batches": w.batch_sizes[-32:]}
+
+
+def model_card(server: Server) -> dict:
+    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "mindqwen"}
+
+
+async def list_models(request: Request):
+    return {"object": "list", "data": [model_card(_server(request))]}
+
+
+async def get_model(request: Request, model_id: str):
+    server = _server(request)
+    if model_id != server.model_name:
+        raise ApiError(404, f"no model {model_id!r}; this server serves {server.model_name!r}", "model",
+                       "model_not_found")
+    return model_card(server)
+
+
+async def completions(request: Request):
+    return await answer(request, checked(CompletionRequest, await read_json(request, _server(request).max_body)))
+
+
+async def chat_completions(request: Request):
+    return await answer(request, checked(ChatRequest, await read_json(request, _server(request).max_body)))
+
+
+async def submit(server: Server, req) -> List[Job]:
+    """The request's jobs (one per prompt and choice), queued for the batch worker (503 when full)."""
+    loop = asyncio.get_running_loop()
+    if isinstance(req, ChatRequest) and any(m.image_urls() for m in req.messages):
+        # Decoding and resizing an image takes milliseconds to seconds: off the event loop, so
+        # streams of other requests keep flowing meanwhile.
+        jobs = await loop.run_in_executor(None, server.jobs, req, loop)
+    else:
+        jobs = server.jobs(req, loop)
+    if server.log_prompts:
+        log.info("prompt: %r", [server.tokenizer.decode(j.prompt) for j in jobs])
+    try:
+        for job in jobs:
+            server.worker.submit(job)
+    except Busy as e:
+        for job in jobs:
+            job.cancelled.set()
+        raise ApiError(503, str(e)) from None
+    return jobs
+
+
+async def answer(http: Request, req):
+    """A completion or chat completion: streamed, or whole once every choice is done."""
+    server = _server(http)
+    jobs = await submit(server, req)
+    chat = isinstance(req, ChatRequest)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if req.stream:
+        return StreamingResponse(stream(http, req, jobs, rid, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        results = [await wait(http, job) for job in jobs]
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the rows are already freed
+    finally:
+        for job in jobs:
+            job.cancelled.set()
+    stops, choices = server.stops(req), []
+    for i, (job, result) in enumerate(zip(jobs, results)):
+        text = job.echo + strip_stop(result.text, result, stops)
+        body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        choices.append({"index": i, "finish_reason": result.finish_reason,
+                        "logprobs": logprobs(server.tokenizer, result, chat), **body})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": server.model_name, "choices": choices,
+            "usage": usage(jobs, req.n, sum(len(r.tokens) for r in results))}
+
+
+async def next_event(http: Request, job: Job):
+    """The job's next event; raises ``ClientGone`` once the client has disconnected."""
+    while True:
+        try:
+            event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            event = None
+        if await http.is_disconnected():
+            raise ClientGone()
+        if event is not None:
+            return event
+
+
+async def wait(http: Request, job: Job) -> RowResult:
+    """The job's result, skipping text deltas."""
+    while True:
+        event = await next_event(http, job)
+        if isinstance(event, Exception):
+            raise ApiError(500, "generation failed")
+        if not isinstance(event, str):
+            return event
+
+
+class Chunks:
+    """The server-sent chunks of one streamed response, in OpenAI's completions or chat shape."""
+
+    def __init__(self, server: Server, req, rid: str, chat: bool):
+        self.chat = chat
+        self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": server.model_name}
+        self.usage = req.stream_options is not None and req.stream_options.include_usage
+
+    def delta(self, index: int, text: Optional[str], finish: Optional[str], first: bool = False) -> bytes:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else {} if text is None else {"content": text}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
-            jobs = server.jobs(req, loop)
-        if server.log_prompts:
-            log.info("prompt: %r", [server.tokenizer.decode(j.prompt) for j in jobs])
-        try:
-            for job in jobs:
-                server.worker.submit(job)
-        except Busy as e:
-            for job in jobs:
-                job.cancelled.set()
-            raise ApiError(503, str(e)) from None
-        chat = isinstance(req, ChatRequest)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if req.stream:
-            return StreamingResponse(stream(http, req, jobs, rid, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            results = [await wait(http, job) for job in jobs]
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it; the rows are already freed
-        finally:
-            for job in jobs:
-                job.cancelled.set()
-        stops = req.stop_list() if req.stop is not None else list(server.defaults.stop_strings)
-        choices = []
-        for i, (job, result) in enumerate(zip(jobs, results)):
-            text = job.echo + strip_stop(result.text, result, stops)
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            choices.append({"index": i, "finish_reason": result.finish_reason,
-                            "logprobs": logprobs(server.tokenizer, result, chat), **body})
-        prompt = sum(len(j.prompt) for j in jobs[::req.n])  # each prompt once, whatever n
-        completion = sum(len(r.tokens) for r in results)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": server.model_name, "choices": choices,
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
+            choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return sse({**self.head, "choices": [choice], **({"usage": None} if self.usage else {})})
 
-    async def next_event(http: Request, job: Job):
-        """The job's next event; raises ``ClientGone`` once the client has disconnected."""
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                event = None
-            if await http.is_disconnected():
-                raise ClientGone()
-            if event is not None:
-                return event
+    def totals(self, jobs: List[Job], n: int, completion: int) -> bytes:
+        return sse({**self.head, "choices": [], "usage": usage(jobs, n, completion)})
 
-    async def wait(http: Request, job: Job) -> RowResult:
-        """The job's result, skipping text deltas."""
-        while True:
-            event = await next_event(http, job)
-            if isinstance(event, Exception):
-                raise ApiError(500, "generation failed")
-            if not isinstance(event, str):
-                return event
 
-    async def stream(http: Request, req, jobs: List[Job], rid: str, chat: bool) -> AsyncIterator[bytes]:
-        created, stops = int(time.time()), (req.stop_list() if req.stop is not None
-                                            else list(server.defaults.stop_strings))
-        # The newest text may be (part of) a stop string, completed by the delta just received:
-        # it goes out only once the next delta or the result shows it is not.
-        hold = max([len(s) for s in stops] + [0])
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        usage = req.stream_options is not None and req.stream_options.include_usage
-
-        def chunk(index: int, text: Optional[str], finish: Optional[str], first: bool = False) -> bytes:
+async def stream(http: Request, req, jobs: List[Job], rid: str, chat: bool) -> AsyncIterator[bytes]:
+    """The choices one after another, each as text deltas, then (if asked) the token counts."""
+    server = _server(http)
+    chunks, stops, completion = Chunks(server, req, rid, chat), server.stops(req), 0
+    # The newest text may be (part of) a stop string, completed by the delta just received:
+    # it goes out only once the next delta or the result shows it is not.
+    hold = max([len(s) for s in stops] + [0])
+    try:
+        for index, job in enumerate(jobs):
             if chat:
-                delta = ({"role": "assistant", "content": text or ""} if first else
-                         {} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-            payload = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": [choice]}
-            if usage:
-                payload["usage"] = None
-            return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-        completion = 0
-        try:
-            for index, job in enumerate(jobs):
-                if chat:
-                    yield chunk(index, "", None, first=True)
-                elif job.echo:
-                    yield chunk(index, job.echo, None)
-                text, sent = "", 0
-                while True:
-                    event = await next_event(http, job)
-                    if isinstance(event, str):
-                        text += event
-                        if len(text) - hold > sent:
-                            yield chunk(index, text[sent:len(text) - hold], None)
-                            sent = len(text) - hold
-                        continue
-                    if isinstance(event, Exception):
-                        error = {"error": {"message": "generation failed", "type": "server_error",
-                                           "param": None, "code": None}}
-                        yield b"data: " + json.dumps(error).encode() + b"\n\n"
-                        break
-                    final = strip_stop(text, event, stops)
-                    completion += len(event.tokens)
-                    if len(final) > sent:
-                        yield chunk(index, final[sent:], None)
-                    yield chunk(index, None if chat else "", event.finish_reason)
+                yield chunks.delta(index, "", None, first=True)
+            elif job.echo:
+                yield chunks.delta(index, job.echo, None)
+            text, sent = "", 0
+            while True:
+                event = await next_event(http, job)
+                if isinstance(event, str):
+                    text += event
+                    if len(text) - hold > sent:
+                        yield chunks.delta(index, text[sent:len(text) - hold], None)
+                        sent = len(text) - hold
+                    continue
+                if isinstance(event, Exception):
+                    yield sse(ApiError(500, "generation failed").body())
                     break
-            if usage:
-                prompt = sum(len(j.prompt) for j in jobs[::req.n])  # each prompt once, whatever n
-                payload = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": [],
-                           "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                                     "total_tokens": prompt + completion}}
-                yield b"data: " + json.dumps(payload).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        except ClientGone:
-            pass
-        finally:  # the client went away (or the stream ended): free the rows
-            for job in jobs:
-                job.cancelled.set()
+                final = strip_stop(text, event, stops)
+                completion += len(event.tokens)
+                if len(final) > sent:
+                    yield chunks.delta(index, final[sent:], None)
+                yield chunks.delta(index, None if chat else "", event.finish_reason)
+                break
+        if chunks.usage:
+            yield chunks.totals(jobs, req.n, completion)
+        yield b"data: [DONE]\n\n"
+    except ClientGone:
+        pass
+    finally:  # the client went away (or the stream ended): free the rows
+        for job in jobs:
+            job.cancelled.set()
 
+
+def build_app(server: Server) -> "FastAPI":
+    """The routes, error handlers and middleware; the handlers find ``server`` in the app's state."""
+    app = FastAPI(title="mindqwen", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected)
+    app.middleware("http")(auth_and_log)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app

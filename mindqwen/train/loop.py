@@ -88,34 +88,19 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     # parallel every rank feeds the whole global micro-batch, which the shard strategies split dp ways.
     mb = config.micro_batch_size * (parallel.data_parallel if parallel.model_parallel else 1)
     loader = BatchLoader(train_data, mb * config.gradient_accumulation, config.seed, config.shuffle, rank, world)
-    log = MetricsLog(config.output_dir, start, enabled=main)
-    if config.tensorboard:
-        log.open_tensorboard(os.path.join(config.output_dir, "tensorboard"))
-    seq = train_data.input_ids.shape[1]
-    tokens = mb * config.gradient_accumulation * seq  # per rank and step
-    trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
-    # MFU counts a causal LM's matmuls; other networks (a fused multimodal model) report none
-    step_flops = train_flops_per_token(model.config, seq, trainable) * tokens if isinstance(model, QwenForCausalLM) else None
-    peak_flops = measure_matmul_peak_gflops() * 1e9 if step_flops else None
-    cache = None
-    if config.compile_cache:  # one folder per distinct set of graphs (see compile_cache.py)
-        shapes = {"train": _shapes(train_data), "world": world, "parallel": repr(parallel),
-                  "eval": None if eval_data is None else _shapes(eval_data), "loss": type(loss_net).__name__}
-        cache = os.path.join(config.compile_cache, graph_key(model, asdict(config), shapes))
+    log = MetricsLog(config.output_dir, start, enabled=main,
+                     tensorboard=os.path.join(config.output_dir, "tensorboard") if config.tensorboard else None)
+    tokens = mb * config.gradient_accumulation * train_data.input_ids.shape[1]  # per rank and step
+    step_flops, peak_flops = _flops(model, train_data, tokens)
+    cache = _cache_folder(config, model, train_data, eval_data, world, parallel, loss_net)
     streak = updated = 0  # overflowed steps in a row; steps of this run that updated the model
     scale = float(scaler.scale_value.asnumpy())  # the scale the next step uses (each record has it after)
     with compile_cache(cache):
         record, bar = {}, tqdm(range(start, config.max_steps), initial=start, total=config.max_steps,
                                desc="training", unit="step", disable=not (config.progress and main))
         for step, batch in zip(bar, loader.stream(start, config.max_steps)):
-            batches = [tuple(ms.Tensor(a[i:i + mb]) for a in batch) for i in range(0, len(batch[0]), mb)]
             lr = schedule(optimizer.global_step).asnumpy().item()  # the rate this step uses
-            t = time.perf_counter()
-            try:
-                loss, finite, norm = stepper(batches)
-            except RuntimeError as e:
-                raise explain_out_of_memory(e, config) from e
-            seconds = time.perf_counter() - t
+            loss, finite, norm, seconds = _timed_step(stepper, batch, mb, config)
             state["overflow_count"] += int(not finite)
             streak, updated = (0, updated + 1) if finite else (streak + 1, updated)
             last = step + 1 == config.max_steps
@@ -129,35 +114,81 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
             scale = record["loss_scale"]
             if reason:
                 log.write(record)
-                raise TrainingDiverged(f"step {step + 1}: {reason}; last good checkpoint: "
-                                       f"{last_ckpt or 'none (nothing to resume from)'}")
-            if eval_data is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
+                raise _diverged(f"step {step + 1}: {reason}", last_ckpt)
+            if eval_data is not None and _due(step + 1, config.eval_every, last):
                 record["eval_loss"] = evaluate(loss_net, eval_data, mb, config.eval_batches)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
             log.write(record)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if main and (last or (config.save_every and (step + 1) % config.save_every == 0)):
+            if main and _due(step + 1, config.save_every, last):
                 state.update(step=step + 1, data_step=step + 1, metrics=record)
                 try:
                     last_ckpt = checkpoint.save(config.output_dir, step + 1, model, optimizer, scaler, state,
                                                 recipe_text, config.keep_last)
                 except checkpoint.NonFiniteParameters as e:
-                    raise TrainingDiverged(f"{e}; last good checkpoint: "
-                                           f"{last_ckpt or 'none (nothing to resume from)'}") from None
+                    raise _diverged(str(e), last_ckpt) from None
 
     # 4. finish: final weights in an interchange format, and the loss curve
     log.close()
-    outputs = {"checkpoint": last_ckpt}
-    if main:
-        if getattr(model, "lora_config", None) is not None:
-            outputs["adapter"] = os.path.join(config.output_dir, "adapter")
-            save_adapter(model, outputs["adapter"])
-        elif hasattr(model, "save_pretrained"):
-            outputs["model"] = os.path.join(config.output_dir, "model")
-            model.save_pretrained(outputs["model"])
-        outputs["loss_curve"] = plot_loss_curve(log.read(), os.path.join(config.output_dir, "loss_curve.png"))
+    outputs = {"checkpoint": last_ckpt, **(_save_final(model, config.output_dir, log) if main else {})}
     return {"steps": config.max_steps, "final_loss": record.get("loss"), "eval_loss": record.get("eval_loss"),
             "overflow_count": state["overflow_count"], "outputs": outputs, "metrics": log.path}
+
+
+def _timed_step(stepper: Stepper, batch: tuple, mb: int, config: TrainerConfig) -> tuple:
+    """One optimizer step over ``batch`` cut into micro-batches of ``mb`` rows: (loss, finite,
+    grad norm, seconds); running out of memory is explained in terms of the config."""
+    batches = [tuple(ms.Tensor(a[i:i + mb]) for a in batch) for i in range(0, len(batch[0]), mb)]
+    t = time.perf_counter()
+    try:
+        loss, finite, norm = stepper(batches)
+    except RuntimeError as e:
+        raise explain_out_of_memory(e, config) from e
+    return loss, finite, norm, time.perf_counter() - t
+
+
+def _due(step: int, every: int, last: bool) -> bool:
+    """Whether an every-``every``-steps task (0: only at the end) runs after ``step``."""
+    return last or bool(every and step % every == 0)
+
+
+def _diverged(why: str, last_ckpt: Optional[str]) -> TrainingDiverged:
+    return TrainingDiverged(f"{why}; last good checkpoint: {last_ckpt or 'none (nothing to resume from)'}")
+
+
+def _flops(model: nn.Cell, train_data: TokenDataset, tokens: int) -> tuple:
+    """(FLOPs of one step, the matmul peak FLOP/s measured here) for MFU; (None, None) for other
+    networks than a causal LM (a fused multimodal model), whose matmuls MFU does not count."""
+    if not isinstance(model, QwenForCausalLM):
+        return None, None
+    trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
+    step_flops = train_flops_per_token(model.config, train_data.input_ids.shape[1], trainable) * tokens
+    return step_flops, measure_matmul_peak_gflops() * 1e9
+
+
+def _cache_folder(config: TrainerConfig, model: nn.Cell, train_data: TokenDataset,
+                  eval_data: Optional[TokenDataset], world: int, parallel: ParallelConfig,
+                  loss_net: nn.Cell) -> Optional[str]:
+    """The compile-cache folder of this run's graphs (one per distinct set, see compile_cache.py)."""
+    if not config.compile_cache:
+        return None
+    shapes = {"train": _shapes(train_data), "world": world, "parallel": repr(parallel),
+              "eval": None if eval_data is None else _shapes(eval_data), "loss": type(loss_net).__name__}
+    return os.path.join(config.compile_cache, graph_key(model, asdict(config), shapes))
+
+
+def _save_final(model: nn.Cell, output_dir: str, log: MetricsLog) -> dict:
+    """The trained weights (``adapter/`` in PEFT format for LoRA, ``model/`` in HF format) and
+    ``loss_curve.png``; returns their paths."""
+    outputs = {}
+    if getattr(model, "lora_config", None) is not None:
+        outputs["adapter"] = os.path.join(output_dir, "adapter")
+        save_adapter(model, outputs["adapter"])
+    elif hasattr(model, "save_pretrained"):
+        outputs["model"] = os.path.join(output_dir, "model")
+        model.save_pretrained(outputs["model"])
+    outputs["loss_curve"] = plot_loss_curve(log.read(), os.path.join(output_dir, "loss_curve.png"))
+    return outputs
 
 
 def divergence(loss: float, finite: bool, norm: float, scale: float, streak: int, updated: int, last: bool,

@@ -64,15 +64,19 @@ def measure_matmul_peak_gflops(sizes=(1024, 2048), repeats: int = 8) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON object per step to ``metrics.jsonl`` (rank 0 only); with ``tensorboard``
+    (a folder) also every numeric metric as a TensorBoard scalar."""
 
-    def __init__(self, output_dir: str, resume_step: int = 0, enabled: bool = True):
+    def __init__(self, output_dir: str, resume_step: int = 0, enabled: bool = True,
+                 tensorboard: Optional[str] = None):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.enabled = enabled
         self.tensorboard = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
             self._truncate_after(resume_step)
+            if tensorboard:
+                self.open_tensorboard(tensorboard)
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run rewrites the steps the killed run logged past its checkpoint."""
