@@ -25,7 +25,8 @@ from mindspore import Tensor, ops
 from tqdm import tqdm
 
 from mindqwen.models.graph import in_mode
-from mindqwen.models.kv_cache import CachedStep, CacheLayout, ImageCachedStep, ImageKeysValues, model_dtype
+from mindqwen.models.kv_cache import (CachedLM, CachedStep, CacheLayout, ImageCachedStep, ImageConditionedLM,
+                                      ImageKeysValues)
 
 CACHE_BLOCK = 64
 FILTER_ACTIONS = ("drop", "mask", "stop")
@@ -184,11 +185,12 @@ class RowResult:
 
 
 class _Row:
-    """Host-side state of one row while generating; ``key`` is the caller's name for it."""
+    """Host-side state of one row while generating; ``owner`` is the caller's name for it (an
+    index, a serving job)."""
 
-    def __init__(self, prompt: Sequence[int], config: GenerationConfig, key, tokenizer, output_filter,
+    def __init__(self, prompt: Sequence[int], config: GenerationConfig, owner, tokenizer, output_filter,
                  image: Optional[np.ndarray] = None):
-        self.prompt, self.config, self.key = [int(t) for t in prompt], config, key
+        self.prompt, self.config, self.owner = [int(t) for t in prompt], config, owner
         self.image = image  # a multimodal model's pixel values for this row, or None
         self.sees_image = False  # the image token has been read: later tokens attend to the image
         self.tokenizer, self.filter = tokenizer, output_filter
@@ -296,9 +298,9 @@ class SlotBatch:
     def room(self) -> int:
         return self.max_rows - len(self.active)
 
-    def join(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig], keys: Sequence,
+    def join(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig], owners: Sequence,
              on_token: Optional[TokenCallback] = None, images: Optional[Sequence] = None) -> None:
-        """Prefill ``prompts`` into free rows and choose their first tokens (``on_token(key, …)``).
+        """Prefill ``prompts`` into free rows and choose their first tokens (``on_token(owner, …)``).
 
         Args:
             images: a multimodal model's pixel values per prompt ((3, S, S) or (T, 3, S, S),
@@ -311,14 +313,14 @@ class SlotBatch:
         images = list(images) if images is not None else [None] * len(prompts)
         if len(images) != len(prompts):
             raise ValueError(f"{len(images)} images for {len(prompts)} prompts")
-        rows = [_Row(p, c, key, self.gen.tokenizer, self.gen.filter, self.gen.check_image(p, image, key))
-                for p, c, key, image in zip(prompts, configs, keys, images)]
+        rows = [_Row(p, c, owner, self.gen.tokenizer, self.gen.filter, self.gen.check_image(p, image, owner))
+                for p, c, owner, image in zip(prompts, configs, owners, images)]
         for row in rows:
             n, m = len(row.prompt), row.config.max_new_tokens
             if n == 0:
-                raise ValueError(f"prompt {row.key!r} is empty: every prompt needs at least one token")
+                raise ValueError(f"prompt {row.owner!r} is empty: every prompt needs at least one token")
             if n + m > self.max_positions:
-                raise ValueError(f"prompt {row.key!r}: {n} tokens + max_new_tokens {m} exceeds the model's "
+                raise ValueError(f"prompt {row.owner!r}: {n} tokens + max_new_tokens {m} exceeds the model's "
                                  f"max_position_embeddings ({self.max_positions})")
         if sum(r.config.max_new_tokens > 0 for r in rows) > self.room:
             raise ValueError(f"{len(rows)} prompts cannot join: room for {self.room}")
@@ -338,9 +340,9 @@ class SlotBatch:
         self._leave()
 
     def step(self, on_token: Optional[TokenCallback] = None, cancelled: Optional[Callable] = None) -> None:
-        """One decode step for every row; ``cancelled(key)`` is asked first and ends a row."""
+        """One decode step for every row; ``cancelled(owner)`` is asked first and ends a row."""
         for row in self.active:
-            if cancelled is not None and cancelled(row.key):
+            if cancelled is not None and cancelled(row.owner):
                 row.finish = "cancelled"
         self._leave()
         if not self.active:
@@ -364,7 +366,7 @@ class SlotBatch:
         self._leave()
 
     def pop_finished(self) -> List[_Row]:
-        """Rows that ended since the last call (``row.key``, ``row.result()``, ``row.error``)."""
+        """Rows that ended since the last call (``row.owner``, ``row.result()``, ``row.error``)."""
         done, self.done = self.done, []
         return done
 
@@ -375,7 +377,7 @@ class SlotBatch:
             row.error, row.finish = e, "error"
             return
         if on_token is not None:
-            on_token(row.key, tok, delta)
+            on_token(row.owner, tok, delta)
 
     def _prefill(self, rows: List[_Row], s: int, length: int):
         """Prefill ``rows`` left-padded into slots [0, s) of a fresh (L, k, KV, length, D) cache;
@@ -474,10 +476,12 @@ class Generator:
         output_filter: optional block-list applied to generated text.
     """
 
-    def __init__(self, model, tokenizer=None, output_filter: Optional[OutputFilter] = None):
+    def __init__(self, model: CachedLM, tokenizer=None, output_filter: Optional[OutputFilter] = None):
+        if not isinstance(model, CachedLM):
+            raise TypeError(f"a Generator runs a model with a KV-cache step (CachedLM), not a {type(model).__name__}")
         model.set_train(False)
         self.model, self.tokenizer, self.filter = model, tokenizer, output_filter
-        self.dtype = model_dtype(model)
+        self.dtype = model.cache_dtype
         self.prefill, self.decode, self.image_step = compiled_steps(model)
         multimodal = self.image_step is not None
         self.image_token_id = model.image_token_id if multimodal else None
@@ -486,20 +490,20 @@ class Generator:
             self.pixel_shape = ((v.num_frames,) if v.num_frames > 1 else ()) + (v.num_channels, v.image_size,
                                                                                v.image_size)
 
-    def check_image(self, prompt: Sequence[int], image, key) -> Optional[np.ndarray]:
+    def check_image(self, prompt: Sequence[int], image, owner) -> Optional[np.ndarray]:
         """A row's image as float32 pixels, checked against the model and its prompt."""
         if image is None:
             if self.image_token_id is not None and self.image_token_id in prompt:
-                raise ValueError(f"prompt {key!r} holds the image token {self.image_token_id} but no image was given")
+                raise ValueError(f"prompt {owner!r} holds the image token {self.image_token_id} but no image was given")
             return None
         if self.image_step is None:
-            raise ValueError(f"prompt {key!r} comes with an image, but the model has no vision tower")
+            raise ValueError(f"prompt {owner!r} comes with an image, but the model has no vision tower")
         image = np.asarray(image.asnumpy() if isinstance(image, Tensor) else image, np.float32)
         if image.shape != self.pixel_shape:
-            raise ValueError(f"prompt {key!r}: pixel values of shape {image.shape}, the model takes "
+            raise ValueError(f"prompt {owner!r}: pixel values of shape {image.shape}, the model takes "
                              f"{self.pixel_shape} (mindqwen.multimodal.data.image_transforms)")
         if self.image_token_id not in prompt:
-            raise ValueError(f"prompt {key!r} comes with an image but holds no image token "
+            raise ValueError(f"prompt {owner!r} comes with an image but holds no image token "
                              f"({self.image_token_id}): nothing would attend to it")
         return image
 
@@ -533,7 +537,7 @@ class Generator:
             while batch.active:
                 batch.step(on_token, cancelled)
                 bar.update()
-        rows = sorted(batch.pop_finished(), key=lambda r: r.key)
+        rows = sorted(batch.pop_finished(), key=lambda r: r.owner)
         for row in rows:
             if row.error is not None:
                 raise row.error
@@ -555,10 +559,10 @@ def compiled_steps(model) -> tuple:
     kept = model.__dict__.get("_mindqwen_steps")
     if kept is not None and kept[0] == stamp:
         return kept[1]
-    multimodal = hasattr(model, "cross_kv")
+    multimodal = isinstance(model, ImageConditionedLM)
     step = ImageCachedStep if multimodal else CachedStep
     prefill, decode = step(model), step(model)
-    prefill.set_inputs(*_dynamic_prefill_inputs(model_dtype(model), multimodal))
+    prefill.set_inputs(*_dynamic_prefill_inputs(model.cache_dtype, multimodal))
     steps = (prefill, decode, ImageKeysValues(model) if multimodal else None)
     # A plain attribute: as a Cell attribute the steps (which hold the model) would be its children.
     object.__setattr__(model, "_mindqwen_steps", (stamp, steps))

@@ -130,12 +130,12 @@ def test_rows_joining_and_leaving_a_running_batch_compute_what_they_compute_alon
         join("A")
         step(), step()
         join("B")
-        assert {r.key: r.slot for r in batch.active} == {"A": 18, "B": len(prompts["B"])}  # own pointers
+        assert {r.owner: r.slot for r in batch.active} == {"A": 18, "B": len(prompts["B"])}  # own pointers
         step()
         join("C", "D")
         while batch.active:
             step()
-    done = {row.key: row for row in batch.pop_finished()}
+    done = {row.owner: row for row in batch.pop_finished()}
     assert sorted(done) == ["A", "B", "C", "D"] and not batch.rows
     assert done["A"].tokens == tokens["A"] == hf_tokens
     assert done["D"].finish == "cancelled" and done["D"].tokens == tokens["D"] and len(tokens["D"]) == 3
@@ -248,6 +248,16 @@ def test_seeded_sampling_is_reproducible_and_greedy_with_top_k_1():
     assert np.array_equal(a, b)
     assert np.array_equal(generate(model, prompt, max_new_tokens=8, do_sample=True, top_k=1, seed=5),
                           ref["gen_ids"])
+
+
+def test_generation_names_what_it_needs_of_a_model():
+    from mindspore import nn
+    from mindqwen.models.kv_cache import CachedLM, ImageConditionedLM
+    model = shared_base("qwen2_tiny")
+    assert isinstance(model, CachedLM) and not isinstance(model, ImageConditionedLM)
+    assert model.cache_dtype == ms.float32
+    with pytest.raises(TypeError, match="CachedLM"):
+        Generator(nn.Dense(2, 2))
 
 
 def test_invalid_generation_config_names_the_field():

@@ -88,6 +88,13 @@ def test_cached_steps_equal_full_recomputation_on_a_left_padded_batch(frames):
             assert np.abs(got[t][i] - want).max() <= 5e-5, (i, t, np.abs(got[t][i] - want).max())
 
 
+def test_a_fused_model_is_an_image_conditioned_lm():
+    from mindqwen.models.kv_cache import ImageConditionedLM
+    lm, model = _shared_model(1)
+    assert isinstance(model, ImageConditionedLM) and not isinstance(lm, ImageConditionedLM)
+    assert model.cache_dtype == lm.cache_dtype == ms.float32
+
+
 def test_generator_rows_with_images_without_and_joining_later_equal_full_recomputation():
     """Greedy generation through ``SlotBatch``: a text-only row first (its prefill runs no ViT:
     it generates what the LM alone generates), two rows with their own images joining it, and a
@@ -110,7 +117,7 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
         while batch.active:
             batch.step()
     for row in batch.pop_finished():
-        tokens[row.key] = row.tokens
+        tokens[row.owner] = row.tokens
     for key, prompt, image in [("a", PROMPTS[0], images[0]), ("b", PROMPTS[1], images[1]),
                                ("late", [33, IMAGE_TOKEN, 34, 35], images[2])]:
         _assert_greedy(model, prompt, image, tokens[key])

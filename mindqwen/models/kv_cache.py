@@ -17,12 +17,42 @@ later is at a lower slot). ``attention_mask`` (B, MAX) marks which slots hold re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindqwen.config import QwenConfig
+
+
+
+@runtime_checkable
+class CachedLM(Protocol):
+    """What generation needs of a text model (``QwenForCausalLM``): its config, the KV-cache step
+    and the dtype its cache is kept in."""
+
+    config: QwenConfig
+
+    @property
+    def cache_dtype(self): ...
+
+    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache): ...
+
+
+@runtime_checkable
+class ImageConditionedLM(CachedLM, Protocol):
+    """A ``CachedLM`` whose prompts may carry an image (``MultimodalQwen``): its vision shape, the
+    image token, and the image's cross-attention keys and values, computed once in prefill.
+    Its ``cached`` also takes those keys and values and the vision mask."""
+
+    vision_config: object  # multimodal.vision.VisionConfig
+    image_token_id: int
+
+    def cross_kv(self, pixel_values): ...
+
+    def cross_kv_shape(self, batch: int) -> list: ...
+
 
 INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "cache_position", "k_cache", "v_cache")
 OUTPUT_NAMES = ("logits", "k_cache", "v_cache")
@@ -98,7 +128,3 @@ class ImageKeysValues(nn.Cell):
         return self.model.cross_kv(pixel_values)
 
 
-def model_dtype(model: nn.Cell):
-    """The dtype the cache is kept in: the residual stream's (a multimodal model's LM's)."""
-    model = getattr(model, "lm", model)
-    return model.model.hidden_dtype or model.model.embed_tokens.weight.dtype

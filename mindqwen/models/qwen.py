@@ -1034,7 +1034,8 @@ class QwenForCausalLM(nn.Cell):
 
     def aux_loss(self, input_ids, attention_mask=None):
         """A mixture of experts' load-balancing loss, unweighted (HF's ``aux_loss``; fp32 scalar)."""
-        return load_balancing_loss(self.model.run(input_ids, attention_mask)[2], self.top_k, attention_mask)
+        _, _, router_logits = self.model.run(input_ids, attention_mask)
+        return load_balancing_loss(router_logits, self.top_k, attention_mask)
 
     def loss_and_aux_loss(self, input_ids, attention_mask, labels):
         """A mixture of experts' training loss (``model(input_ids, attention_mask, labels)``),
@@ -1053,6 +1054,11 @@ class QwenForCausalLM(nn.Cell):
         h, k_cache, v_cache = self.model.cached(input_ids, position_ids, attention_mask,
                                                 cache_position, k_cache, v_cache)
         return self.last_logits(h), k_cache, v_cache
+
+    @property
+    def cache_dtype(self):
+        """The dtype the KV cache is kept in: the residual stream's."""
+        return self.model.hidden_dtype or self.model.embed_tokens.weight.dtype
 
     def last_logits(self, h):
         """h (B, T, H) → the logits (B, V) fp32 at the last position."""

@@ -118,6 +118,11 @@ class MultimodalQwen(nn.Cell):
             return self.lm.logits(h)
         return self.lm.loss(h, labels)
 
+    @property
+    def cache_dtype(self):
+        """The dtype the KV cache is kept in: the LM's."""
+        return self.lm.cache_dtype
+
     def cross_kv_shape(self, batch: int) -> List[int]:
         """The shape of ``cross_kv``'s keys (and values) for ``batch`` images (-1: dynamic)."""
         block, v = self.cross_attn[0], self.vision_config

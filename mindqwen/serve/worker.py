@@ -131,13 +131,13 @@ class BatchWorker:
             log.exception("a decode step failed for %d rows", len(self.batch.active))
             self._hand_out()
             for row in self.batch.active:
-                row.key.put(e)
+                row.owner.put(e)
             self.batch = SlotBatch(self.generator, self.max_batch)
 
     def _hand_out(self) -> None:
         """Give every row that ended its result (or its error)."""
         for row in self.batch.pop_finished():
-            row.key.put(row.error if row.error is not None else row.result())
+            row.owner.put(row.error if row.error is not None else row.result())
 
     @staticmethod
     def _on_token(job: Job, _token: int, text: str) -> None:
