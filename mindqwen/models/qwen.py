@@ -683,8 +683,8 @@ def _mark_lazy_inline(layers) -> bool:
 
 
 def _shareable(layer: "DecoderLayer") -> bool:
-    """Whether a dense layer's forward is shared (its KV-cache step always is: no gradients):
-    not marked for recompute (recompute is a property of each layer's own graph)."""
+    """Whether a dense layer's forward may be shared: not marked for recompute (recompute is a
+    property of each layer's own graph). Its KV-cache step has no gradients and no such limit."""
     if layer.sparse or layer.use_fused_ops:
         return False
     return not any(getattr(cell, "_has_config_recompute", False) for _, cell in layer.cells_and_names())
@@ -917,14 +917,17 @@ class _LogitBlocks(nn.Cell):
 
 
 def _block(hc, w, labels, dout):
-    """One block: hc (r, H), labels (r,) → dh (r, H) fp32, c·p (r, V), the safe labels (r, 1), c (r, 1)."""
+    """One block: hc (r, H), labels (r,) → dh (r, H) fp32, c·p (r, V), the safe labels (r, 1),
+    c (r, 1), and the block's summed loss (one logits matmul for all of them)."""
     lab = labels.reshape(-1, 1)
     keep = (lab != IGNORE_INDEX).astype(ms.int32)
     safe = lab * keep  # ignored rows point at row 0 with a zero coefficient
     coef = keep.astype(ms.float32) * dout  # (r, 1)
-    probs = ops.softmax(_MATMUL_NT(hc, w).astype(ms.float32), -1) * coef  # (r, V)
+    log_probs = ops.log_softmax(_MATMUL_NT(hc, w).astype(ms.float32), -1)  # (r, V)
+    loss = -ops.reduce_sum(ops.gather_elements(log_probs, 1, safe) * keep.astype(ms.float32))
+    probs = ops.exp(log_probs) * coef  # (r, V)
     rows_w = ops.gather(w, safe.reshape(-1), 0).astype(ms.float32)  # (r, H): W[label]
-    return _MATMUL_NN(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w, probs, safe, coef
+    return _MATMUL_NN(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w, probs, safe, coef, loss
 
 
 class ChunkedCrossEntropy(_LogitBlocks):
@@ -940,7 +943,7 @@ class ChunkedCrossEntropy(_LogitBlocks):
         dh, dw = (), ops.zeros(w.shape, ms.float32)
         for start in range(0, h.shape[0], self.rows):
             hc = h[start:start + self.rows]  # (r, H)
-            dh_c, probs, safe, coef = _block(hc, w, labels[start:start + self.rows], dout)
+            dh_c, probs, safe, coef, _ = _block(hc, w, labels[start:start + self.rows], dout)
             dh = dh + (dh_c.astype(h.dtype),)
             dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
             dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
@@ -963,16 +966,16 @@ class ChunkedCrossEntropyInForward(_LogitBlocks):
         if not self.training:
             return self.value(h, w, labels)
         hs, ws = ops.stop_gradient(h), ops.stop_gradient(w)
-        dh, dw = (), ops.zeros(w.shape, ms.float32)
+        total, dh, dw = ops.zeros((), ms.float32), (), ops.zeros(w.shape, ms.float32)
         for start in range(0, h.shape[0], self.rows):  # ChunkedCrossEntropy.bprop's with dout 1
             hc = hs[start:start + self.rows]  # (r, H)
-            dh_c, probs, safe, coef = _block(hc, ws, labels[start:start + self.rows], ops.ones((), ms.float32))
-            dh = dh + (dh_c,)
+            dh_c, probs, safe, coef, loss = _block(hc, ws, labels[start:start + self.rows], ops.ones((), ms.float32))
+            total, dh = total + loss, dh + (dh_c,)
             if self.weight_grad:
                 dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
                 dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
         dh = ops.cat(dh, 0)
-        total = self.value(hs, ws, labels) + ops.reduce_sum((h - hs).astype(ms.float32) * dh.astype(ms.float32))
+        total = total + ops.reduce_sum((h - hs).astype(ms.float32) * dh.astype(ms.float32))
         if self.weight_grad:
             total = total + ops.reduce_sum((w - ws).astype(ms.float32) * dw.astype(ms.float32))
         return total
