@@ -14,13 +14,14 @@ backend.prepare_process()
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "mindqwen.config": ["ConfigError", "QwenConfig"],
+    "mindqwen.config": ["ConfigError", "ExecutionOptions", "QwenConfig"],
     "mindqwen.data.tokenizer": ["load_tokenizer"],
     "mindqwen.data.loader": ["TokenDataset"],
     "mindqwen.generation": ["GenerationConfig", "Generator", "OutputFilter", "generate"],
     "mindqwen.io.safetensors": ["CheckpointError"],
     "mindqwen.lora": ["LoraConfig", "LoRALayer", "apply_lora", "load_adapter", "mark_only_lora_trainable",
                       "merge_and_unload", "merge_lora", "save_adapter", "trainable_report", "unmerge_lora"],
+    "mindqwen.models.graph": ["configure"],
     "mindqwen.models.qwen": ["QwenForCausalLM", "QwenModel", "from_pretrained"],
     "mindqwen.train.config": ["TrainerConfig"],
     "mindqwen.train.loop": ["TrainingDiverged", "fit"],
@@ -31,13 +32,14 @@ __all__ = sorted(_MODULE_OF)
 
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time the names load on first use
-    from mindqwen.config import ConfigError, QwenConfig  # noqa: F401
+    from mindqwen.config import ConfigError, ExecutionOptions, QwenConfig  # noqa: F401
     from mindqwen.data.tokenizer import load_tokenizer  # noqa: F401
     from mindqwen.data.loader import TokenDataset  # noqa: F401
     from mindqwen.generation import GenerationConfig, Generator, OutputFilter, generate  # noqa: F401
     from mindqwen.io.safetensors import CheckpointError  # noqa: F401
     from mindqwen.lora import (LoraConfig, LoRALayer, apply_lora, load_adapter, mark_only_lora_trainable,  # noqa: F401
                                merge_and_unload, merge_lora, save_adapter, trainable_report, unmerge_lora)
+    from mindqwen.models.graph import configure  # noqa: F401
     from mindqwen.models.qwen import QwenForCausalLM, QwenModel, from_pretrained  # noqa: F401
     from mindqwen.train.config import TrainerConfig  # noqa: F401
     from mindqwen.train.loop import TrainingDiverged, fit  # noqa: F401

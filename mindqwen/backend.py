@@ -8,11 +8,13 @@ of a training step and makes it faster (docs/performance.md). Two settings make 
   ~40% on 2 cores (bench-small step 1.2–1.4 s against 0.85–0.9 s). libgomp reads it once, when
   ``import mindspore`` loads it, so ``import mindqwen`` sets it only while MindSpore is not
   imported yet.
-- ``MS_DEV_GRAPH_KERNEL_FLAGS`` (and AKG's own variables): read at each graph compile, so they
-  are set when a mindqwen model is built on the CPU.
+- ``MS_DEV_GRAPH_KERNEL_FLAGS`` (and AKG's own variables): read at each graph compile.
 
-Variables the user has set are never overridden: ``MS_DEV_GRAPH_KERNEL_FLAGS=--opt_level=0``
-(or ``disable_cpu_fusion()`` before the model is built) turns fusion off.
+Both are set once, by ``import mindqwen`` (``prepare_process``): this module is the one place
+that writes process settings. Fusion is left off where an Ascend runtime is installed (its
+environment, ``ASCEND_HOME_PATH`` or ``ASCEND_TOOLKIT_HOME``, is set): Ascend compiles its own
+way. Variables the user has set are never overridden: ``MS_DEV_GRAPH_KERNEL_FLAGS=--opt_level=0``
+(or ``disable_cpu_fusion()`` before the first compile) turns fusion off.
 
 AKG builds each fused kernel once and keeps it in ``cache_dir()`` (``$MINDQWEN_CACHE``, default
 ``~/.cache/mindqwen``), one folder per MindSpore version, which every later run reuses whatever
@@ -23,10 +25,12 @@ process: the first fused compile fixes MindSpore's cache folder (to the fused-ke
 later cached graphs would land there instead of in their own folders (measured).
 """
 import atexit
+import contextlib
 import functools
 import os
 import sys
 import warnings
+from typing import Iterator, Optional
 
 # --opt_level=2 turns fusion on for the CPU; Exp/Log stay unfused (fused, they moved the loss by
 # 3e-5), and so does Cast (AKG fails to build fused fp16 casts: "composite_topi.cc: Check failed:
@@ -39,10 +43,17 @@ CPU_FUSION_FLAGS = "--opt_level=2 --disable_cluster_ops=Exp,Log,Cast,Transpose -
 _imported_after_mindspore = "mindspore" in sys.modules
 
 
+ASCEND_RUNTIME_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by the CANN toolkit's set_env.sh
+_kernel_cache_set = False  # whether use_cpu_fusion set MS_COMPILER_CACHE_PATH (disable_cpu_fusion unsets it)
+
+
 def prepare_process() -> None:
-    """Called by ``import mindqwen``: settings that only count before MindSpore loads."""
+    """Called once, by ``import mindqwen``: OpenMP's wait policy (it only counts before MindSpore
+    loads) and, without an Ascend runtime, CPU graph-kernel fusion."""
     if not _imported_after_mindspore:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        _default_env("OMP_WAIT_POLICY", "PASSIVE")
+    if not any(v in os.environ for v in ASCEND_RUNTIME_VARS):
+        use_cpu_fusion()
 
 
 def fusion_enabled() -> bool:
@@ -52,9 +63,13 @@ def fusion_enabled() -> bool:
 
 
 def disable_cpu_fusion() -> None:
-    """Compile without graph-kernel fusion from now on (before the model is built: the compile
+    """Compile without graph-kernel fusion from now on (before the first compile: the compile
     cache needs a process that has compiled no fused graph)."""
-    os.environ["MS_DEV_GRAPH_KERNEL_FLAGS"] = "--opt_level=0"
+    global _kernel_cache_set
+    _set_env("MS_DEV_GRAPH_KERNEL_FLAGS", "--opt_level=0")
+    if _kernel_cache_set:  # the fused kernels' folder would become MindSpore's cache folder
+        _set_env("MS_COMPILER_CACHE_PATH", None)
+        _kernel_cache_set = False
 
 
 def cache_dir() -> str:
@@ -65,31 +80,70 @@ def cache_dir() -> str:
 
 
 def use_cpu_fusion() -> None:
-    """Turn on graph-kernel fusion for the graphs this process compiles from now on (CPU only).
+    """Turn on graph-kernel fusion for the graphs this process compiles from now on (CPU only;
+    ``import mindqwen`` does).
 
     AKG builds the fused kernels into ``<cache_dir()>/kernels-ms<version>/akg_kernel_meta/``,
     where later runs reuse them. MindSpore reads that folder from ``MS_COMPILER_CACHE_PATH`` at
     its first fused compile and keeps it for the process; ``trainer.compile_cache`` (which turns
     fusion off) sets its own folders instead.
     """
+    global _kernel_cache_set
     if "MS_DEV_GRAPH_KERNEL_FLAGS" not in os.environ and _imported_after_mindspore \
             and "OMP_WAIT_POLICY" not in os.environ:
         warnings.warn("mindspore was imported before mindqwen, so its OpenMP threads spin: CPU training "
                       "runs ~40% slower. Import mindqwen first, or export OMP_WAIT_POLICY=PASSIVE.",
                       stacklevel=3)
-    os.environ.setdefault("MS_DEV_GRAPH_KERNEL_FLAGS", CPU_FUSION_FLAGS)
-    os.environ.setdefault("AKG_WHITE_LIST_PATH", "/")  # silences AKG's tiling-repository lines on stdout
+    _default_env("MS_DEV_GRAPH_KERNEL_FLAGS", CPU_FUSION_FLAGS)
+    _default_env("AKG_WHITE_LIST_PATH", "/")  # silences AKG's tiling-repository lines on stdout
     if fusion_enabled() and "MS_COMPILER_CACHE_PATH" not in os.environ:
-        import mindspore
-        folder = os.path.join(cache_dir(), f"kernels-ms{mindspore.__version__}")
+        folder = os.path.join(cache_dir(), f"kernels-ms{_mindspore_version()}")
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as e:  # a read-only home: the kernels go to the working directory, as MindSpore's default
             warnings.warn(f"cannot create the kernel cache {folder} ({e.strerror}): fused kernels are built into "
                           "the working directory; set MINDQWEN_CACHE to a writable folder", stacklevel=3)
             return
-        os.environ["MS_COMPILER_CACHE_PATH"] = folder
+        _set_env("MS_COMPILER_CACHE_PATH", folder)
+        _kernel_cache_set = True
         _remove_akg_log_at_exit()
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Within the block, the process environment has ``values``; what was there comes back."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        _set_env(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            _set_env(k, v)
+
+
+def _set_env(name: str, value: Optional[str]) -> None:
+    """The one writer of the process environment in mindqwen (None removes ``name``): MindSpore,
+    OpenMP and AKG read their settings from it."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _default_env(name: str, value: str) -> None:
+    """``value`` unless the user has set ``name``."""
+    if name not in os.environ:
+        _set_env(name, value)
+
+
+def _mindspore_version() -> str:
+    """MindSpore's version, without importing it (``import mindqwen`` stays light)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("mindspore")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 @functools.lru_cache(maxsize=1)

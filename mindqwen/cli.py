@@ -38,7 +38,7 @@ def cmd_train(argv: List[str]) -> None:
                                                            "instead of stopping at the first (data.skip_bad=true)")
     args = p.parse_intermixed_args(argv)  # overrides may follow options
     from mindqwen.train.recipe import find_recipe, load_recipe
-    from mindqwen.train.run import train_recipe
+    from mindqwen.tasks import train_recipe
     if args.skip_bad:
         args.overrides.append("data.skip_bad=true")
     path = find_recipe(args.recipe)
@@ -147,16 +147,17 @@ def _multimodal_prompt(args):
     ids (the image token, then the prompt, in the recipe's chat template) and the pixels."""
     from mindqwen.data.tokenizer import load_tokenizer
     from mindqwen.multimodal.data import PROMPT, encode_prompt, load_pixels
+    from mindqwen.tasks import task_for
     from mindqwen.train.recipe import find_recipe, load_recipe
-    from mindqwen.train.run_multimodal import tokenizer_path, trained_model
     recipe = load_recipe(find_recipe(args.model), args.overrides)
     if recipe.multimodal is None or args.image is None:
         raise ValueError(f"{args.model}: images go with a multimodal recipe's run and --image; a text model is an "
                          "HF folder")
     if args.adapter or args.input_ids:
         raise ValueError("--adapter and --input-ids are for HF folders; a multimodal run takes --image and --prompt")
-    model = trained_model(recipe)
-    tokenizer = load_tokenizer(args.tokenizer or tokenizer_path(recipe))
+    task = task_for(recipe)
+    model = task.trained_model()
+    tokenizer = load_tokenizer(args.tokenizer or task.tokenizer_file())
     prompt = encode_prompt(tokenizer, model.image_token_id, args.prompt or PROMPT, recipe.multimodal.template)
     return model, tokenizer, prompt, load_pixels(args.image, recipe.multimodal.vision)
 
@@ -184,7 +185,7 @@ def cmd_export(argv: List[str]) -> None:
                    "tokenizer")
     if not os.path.isdir(args.model):
         from mindqwen.train.recipe import find_recipe, load_recipe
-        from mindqwen.train.run import export_recipe
+        from mindqwen.tasks import export_recipe
         given = [f for f in folder_only if getattr(args, f)]
         if given:
             p.error(f"--{given[0].replace('_', '-')} is for an HF folder; a recipe's export settings are "
@@ -249,8 +250,8 @@ def cmd_serve(argv: List[str]) -> None:
     from mindqwen.train.recipe import Recipe, load_recipe
     template = args.chat_template
     if args.model.endswith((".yaml", ".yml")) or not os.path.isdir(args.model):  # a multimodal run
+        from mindqwen.tasks import task_for
         from mindqwen.train.recipe import RecipeError, find_recipe
-        from mindqwen.train.run_multimodal import tokenizer_path, trained_model
         try:
             path = find_recipe(args.model)
         except RecipeError:
@@ -258,7 +259,8 @@ def cmd_serve(argv: List[str]) -> None:
         recipe = load_recipe(path, args.overrides)
         if recipe.multimodal is None or args.adapter:
             raise ValueError(f"{args.model}: serve an HF folder (with --adapter), or a finished multimodal recipe run")
-        model, tokenizer = trained_model(recipe), args.tokenizer or tokenizer_path(recipe)
+        task = task_for(recipe, path)
+        model, tokenizer = task.trained_model(), args.tokenizer or task.tokenizer_file()
         template = template or recipe.multimodal.template
         recipe = load_recipe(args.recipe) if args.recipe else recipe
     else:
@@ -385,7 +387,7 @@ def cmd_validate(argv: List[str]) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="build a tiny model of the same architecture instead of the real checkpoint")
     args = p.parse_intermixed_args(argv)  # overrides may follow options
-    from mindqwen.train.validate import validate_recipe
+    from mindqwen.tasks import validate_recipe
     print(validate_recipe(args.recipe, args.overrides, args.tiny))
 
 

@@ -430,3 +430,51 @@ def _yarn(cfg: QwenConfig, rs: Dict[str, Any]) -> tuple:
     inv_freq = (inv_interpolation * (1 - extrapolation_factor)
                 + inv_extrapolation * extrapolation_factor)
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+LOW_DTYPES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How a built model executes, beside its shape (``QwenConfig``) and weights.
+
+    A model is built with them (``QwenForCausalLM(config, options=...)``) or changes them in one
+    call, ``mindqwen.models.graph.configure(model, **changes)``, which checks them here, hands
+    them to every cell that reads one (its ``apply_options``) and invalidates the compiled graphs
+    once. Precision (``fit``'s ``trainer.precision``) and sharding (``parallel``) go through it.
+
+    Attributes:
+        compute_dtype: "float16" | "bfloat16": the dtype of every matmul (AMP O1–O3); None: the weights'.
+        hidden_dtype: the residual stream's dtype between layers (AMP O2/O3); None: the weights'.
+        document_eos_id: an EOS id that ends a packed document: positions restart after it and
+            attention stays inside each document; None: a row is one document.
+        capacity_multiple: a mixture of experts' capacity rounded up to a multiple of this (the
+            devices that split an expert group's tokens).
+        batched_experts: run the exact (no-capacity) expert path as (E, N, H) batches too, so
+            every graph slices the stacked expert weights alike (expert sharding).
+        loss_chunk_rows: rows of logits per block of the chunked loss; None: the config's
+            (``QwenConfig.loss_chunk_rows``); 0: all rows at once (a sharded head matmul).
+    """
+
+    compute_dtype: Optional[str] = None
+    hidden_dtype: Optional[str] = None
+    document_eos_id: Optional[int] = None
+    capacity_multiple: int = 1
+    batched_experts: bool = False
+    loss_chunk_rows: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("compute_dtype", "hidden_dtype"):
+            if getattr(self, name) not in (None,) + LOW_DTYPES:
+                raise ConfigError(f"{name} must be None or one of {', '.join(LOW_DTYPES)}, got {getattr(self, name)!r}")
+        if self.document_eos_id is not None and (isinstance(self.document_eos_id, bool)
+                                                 or not isinstance(self.document_eos_id, (int, np.integer))
+                                                 or self.document_eos_id < 0):
+            raise ConfigError(f"document_eos_id must be a token id >= 0 or None, got {self.document_eos_id!r}")
+        if self.document_eos_id is not None:  # a numpy integer from a tokenizer is kept as an int
+            object.__setattr__(self, "document_eos_id", int(self.document_eos_id))
+        if not isinstance(self.capacity_multiple, int) or self.capacity_multiple < 1:
+            raise ConfigError(f"capacity_multiple must be an integer >= 1, got {self.capacity_multiple!r}")
+        if self.loss_chunk_rows is not None and (not isinstance(self.loss_chunk_rows, int) or self.loss_chunk_rows < 0):
+            raise ConfigError(f"loss_chunk_rows must be None or an integer >= 0, got {self.loss_chunk_rows!r}")

@@ -245,12 +245,13 @@ def _device(device: str) -> Tuple[float, float, str]:
 def estimate_recipe(recipe, device: str) -> Estimate:
     """The recipe's memory per device; the architecture comes from the checkpoint's config.json,
     or from ``model.preset`` when the checkpoint is not on this machine (no weights are read)."""
-    from mindqwen.train.validate import multimodal_image_id, recipe_model_config
+    from mindqwen.train.validate import recipe_model_config
     m = recipe.model
     if m.checkpoint and m.preset and not os.path.isfile(os.path.join(m.checkpoint, "config.json")):
         config = QwenConfig.from_preset(m.preset, **m.config)
     elif recipe.multimodal is not None:  # the tokenizer's vocabulary and <image>
-        config = recipe_model_config(recipe, "recipe", multimodal_image_id(recipe, "recipe") + 1)
+        from mindqwen.tasks.multimodal import MultimodalTask
+        config = recipe_model_config(recipe, "recipe", MultimodalTask(recipe).image_id() + 1)
     else:
         config = recipe_model_config(recipe, "recipe")
     e = estimate(config, recipe.lora, recipe.trainer, recipe.parallel, recipe.model.dtype,

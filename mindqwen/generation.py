@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 from tqdm import tqdm
 
+from mindqwen.config import QwenConfig
 from mindqwen.models.graph import in_mode
 from mindqwen.models.kv_cache import (CachedLM, CachedStep, CacheLayout, ImageCachedStep, ImageConditionedLM,
                                       ImageKeysValues)
@@ -168,8 +169,19 @@ class OutputFilter:
         return self.regex.sub(repl, text), False
 
 
-# one new token: (id, log-probability, [(id, log-probability) of the most likely tokens])
-TokenLogprob = Tuple[int, float, List[Tuple[int, float]]]
+class TokenLogprob(NamedTuple):
+    """One new token's log-probabilities under the model (a tuple, so ``for tok, lp, top in …``
+    still reads it).
+
+    Attributes:
+        token: the chosen id.
+        logprob: its log-probability.
+        top: (id, log-probability) of the most likely tokens, most likely first.
+    """
+
+    token: int
+    logprob: float
+    top: List[Tuple[int, float]]
 
 
 @dataclass
@@ -211,7 +223,7 @@ class _Row:
             lp = logits.astype(np.float64) - logits.max()
             lp -= np.log(np.exp(lp).sum())
             top = np.argsort(-lp, kind="stable")[:self.config.top_logprobs]
-            self.logprobs.append((tok, float(lp[tok]), [(int(i), float(lp[i])) for i in top]))
+            self.logprobs.append(TokenLogprob(tok, float(lp[tok]), [(int(i), float(lp[i])) for i in top]))
         self.tokens.append(tok)
         self.seen.append(tok)
         delta = self._update_text() if self.tokenizer is not None else ""
@@ -256,6 +268,109 @@ class _Row:
         return self.config.max_new_tokens - max(len(self.tokens), 1)
 
 
+@dataclass(frozen=True)
+class ImageSteps:
+    """What a multimodal model's rows need beside the text steps.
+
+    Attributes:
+        keys_values: the graph from pixel values (B, *pixel_shape) to every cross-attention
+            block's image keys and values, each (C, B, heads, Nv, D) (``ImageKeysValues``).
+        token_id: the image token: a row's tokens from it on attend to the row's image.
+        pixel_shape: one image's pixel values: (3, S, S), or (T, 3, S, S) for a video model.
+        kv_shape: one image's keys (or values), (C, 1, heads, Nv, D).
+    """
+
+    keys_values: Callable
+    token_id: int
+    pixel_shape: Tuple[int, ...]
+    kv_shape: Tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: ImageConditionedLM, keys_values: Callable) -> "ImageSteps":
+        v = model.vision_config
+        frames = (v.num_frames,) if v.num_frames > 1 else ()
+        return cls(keys_values, model.image_token_id, frames + (v.num_channels, v.image_size, v.image_size),
+                   tuple(model.cross_kv_shape(1)))
+
+    def check(self, prompt: Sequence[int], image, owner) -> Optional[np.ndarray]:
+        """A row's image as float32 pixels, checked against the model and its prompt."""
+        if image is None:
+            if self.token_id in prompt:
+                raise ValueError(f"prompt {owner!r} holds the image token {self.token_id} but no image was given")
+            return None
+        image = np.asarray(image.asnumpy() if isinstance(image, Tensor) else image, np.float32)
+        if image.shape != self.pixel_shape:
+            raise ValueError(f"prompt {owner!r}: pixel values of shape {image.shape}, the model takes "
+                             f"{self.pixel_shape} (mindqwen.multimodal.data.image_transforms)")
+        if self.token_id not in prompt:
+            raise ValueError(f"prompt {owner!r} comes with an image but holds no image token "
+                             f"({self.token_id}): nothing would attend to it")
+        return image
+
+    def rows_keys_values(self, images: Sequence[Optional[np.ndarray]], dtype) -> Tuple[Tensor, Tensor]:
+        """The keys and values of one image per row; a row without one gets zeros (masked out).
+        When no row has an image the ViT does not run at all."""
+        if any(image is not None for image in images):
+            zeros = np.zeros(self.pixel_shape, np.float32)
+            return tuple(self.keys_values(Tensor(np.stack([zeros if i is None else i for i in images]))))
+        zeros = ops.zeros((self.kv_shape[0], len(images)) + self.kv_shape[2:], dtype)
+        return zeros, zeros
+
+
+@dataclass(frozen=True)
+class StepGraphs:
+    """What a ``SlotBatch`` runs: a model's compiled step graphs and the facts about the model
+    that shape their inputs (``Generator`` builds it; ``compiled_steps`` keeps the graphs).
+
+    Attributes:
+        prefill: the step over whole prompts (dynamic shapes: it compiles once).
+        decode: the T=1 step (static shapes: it compiles per (rows, cache length) bucket).
+        config: the model's config: the cache layout (``CacheLayout.of``) and the positions a
+            row may use.
+        dtype: the dtype the KV cache (and image keys/values) is kept in.
+        image: a multimodal model's image steps; None for a text model.
+    """
+
+    prefill: Callable
+    decode: Callable
+    config: QwenConfig
+    dtype: object
+    image: Optional[ImageSteps] = None
+
+    @classmethod
+    def of(cls, model: CachedLM) -> "StepGraphs":
+        """The model's graphs (compiled once per model: ``compiled_steps``) and facts."""
+        prefill, decode, image_step = compiled_steps(model)
+        image = None if image_step is None else ImageSteps.of(model, image_step)
+        return cls(prefill, decode, model.config, model.cache_dtype, image)
+
+    @property
+    def image_token_id(self) -> Optional[int]:
+        """The image token; None for a text model (no token is)."""
+        return None if self.image is None else self.image.token_id
+
+    def check_image(self, prompt: Sequence[int], image, owner) -> Optional[np.ndarray]:
+        """A row's image as float32 pixels (None without one), checked against the model."""
+        if self.image is not None:
+            return self.image.check(prompt, image, owner)
+        if image is not None:
+            raise ValueError(f"prompt {owner!r} comes with an image, but the model has no vision tower")
+        return None
+
+    def zero_cache(self, rows: int, length: int) -> Tensor:
+        """Keys (or values) of an empty cache: (L, rows, KV, length, D)."""
+        return CacheLayout.of(self.config, rows, length).zeros(self.dtype)
+
+
+class _Prefilled(NamedTuple):
+    """Joining rows after prefill: the last positions' logits (R, V), their state (k, v and,
+    multimodal, the image keys and values: rows on axis 1 of each) and their slot mask (R, C)."""
+
+    logits: Tensor
+    state: Tuple[Tensor, ...]
+    mask: np.ndarray
+
+
 class SlotBatch:
     """The running decode batch: rows join between steps and leave as soon as they end.
 
@@ -276,14 +391,19 @@ class SlotBatch:
     attend to them.
 
     Args:
-        generator: the ``Generator`` whose graphs and tokenizer the rows use.
+        steps: the model's step graphs and the facts that shape their inputs
+            (``Generator.steps``).
         max_rows: rows at most.
         shrink: rebuild the cache smaller when rows leave.
+        tokenizer: optional; turns each row's tokens into text (``stop_strings``, streaming).
+        output_filter: optional block-list applied to each row's text.
     """
 
-    def __init__(self, generator: "Generator", max_rows: int, shrink: bool = True):
-        self.gen, self.max_rows, self.shrink = generator, max_rows, shrink
-        self.max_positions = generator.model.config.max_position_embeddings
+    def __init__(self, steps: StepGraphs, max_rows: int, shrink: bool = True, tokenizer=None,
+                 output_filter: Optional[OutputFilter] = None):
+        self.steps, self.max_rows, self.shrink = steps, max_rows, shrink
+        self.tokenizer, self.filter = tokenizer, output_filter
+        self.max_positions = steps.config.max_position_embeddings
         self.rows: List[Optional[_Row]] = []  # one per cache row; None = free
         self.k = self.v = None  # (L, R, KV, C, D) in the model's dtype
         self.images = ()  # multimodal: cross-attention keys and values (C, R, heads, Nv, D)
@@ -313,7 +433,7 @@ class SlotBatch:
         images = list(images) if images is not None else [None] * len(prompts)
         if len(images) != len(prompts):
             raise ValueError(f"{len(images)} images for {len(prompts)} prompts")
-        rows = [_Row(p, c, owner, self.gen.tokenizer, self.gen.filter, self.gen.check_image(p, image, owner))
+        rows = [_Row(p, c, owner, self.tokenizer, self.filter, self.steps.check_image(p, image, owner))
                 for p, c, owner, image in zip(prompts, configs, owners, images)]
         for row in rows:
             n, m = len(row.prompt), row.config.max_new_tokens
@@ -331,9 +451,9 @@ class SlotBatch:
         s = max(len(r.prompt) for r in rows)
         length = cache_length(max([s + r.writes_left() for r in rows] +
                                   [r.slot + r.writes_left() for r in self.active]))
-        logits, state, mask = self._prefill(rows, s, length)  # first: a failure changes nothing
-        self._relayout(self.active + rows, length, (state, mask))
-        logits = logits.asnumpy()
+        joining = self._prefill(rows, s, length)  # first: a failure changes nothing
+        self._relayout(self.active + rows, length, joining)
+        logits = joining.logits.asnumpy()
         for i, row in enumerate(rows):
             row.cached, row.slot = len(row.prompt), s
             self._choose(row, logits[i], on_token)
@@ -353,11 +473,11 @@ class SlotBatch:
             if row is not None:  # free rows write slot 0 of their (masked-out) copy
                 ids[i, 0], positions[i, 0], slots[i, 0] = row.tokens[-1], row.cached, row.slot
                 self.mask[i, row.slot] = 1
-                row.sees_image |= row.tokens[-1] == self.gen.image_token_id
+                row.sees_image |= row.tokens[-1] == self.steps.image_token_id
                 sees[i] = row.sees_image
         images = (*self.images, Tensor(sees)) if self.images else ()
-        logits, self.k, self.v = self.gen.decode(Tensor(ids), Tensor(positions), Tensor(self.mask),
-                                                 Tensor(slots), self.k, self.v, *images)
+        logits, self.k, self.v = self.steps.decode(Tensor(ids), Tensor(positions), Tensor(self.mask),
+                                                   Tensor(slots), self.k, self.v, *images)
         logits = logits.asnumpy()
         for i, row in enumerate(self.rows):
             if row is not None:
@@ -379,32 +499,26 @@ class SlotBatch:
         if on_token is not None:
             on_token(row.owner, tok, delta)
 
-    def _prefill(self, rows: List[_Row], s: int, length: int):
-        """Prefill ``rows`` left-padded into slots [0, s) of a fresh (L, k, KV, length, D) cache;
-        returns the last logits, the rows' state ((k, v) and, multimodal, the image keys and
-        values) and the slot mask."""
+    def _prefill(self, rows: List[_Row], s: int, length: int) -> _Prefilled:
+        """Prefill ``rows`` left-padded into slots [0, s) of a fresh (L, k, KV, length, D) cache."""
         ids = np.zeros((len(rows), s), np.int32)
         positions = np.zeros_like(ids)
         mask = np.zeros((len(rows), length), np.int32)
         sees = np.zeros((len(rows), s, 1), np.float32)  # multimodal: from the image token on
+        image = self.steps.image
         for i, row in enumerate(rows):
             n = len(row.prompt)
             ids[i, s - n:], positions[i, s - n:], mask[i, s - n:s] = row.prompt, np.arange(n), 1
-            if self.gen.image_token_id is not None:
-                sees[i, s - n:, 0] = np.cumsum(np.asarray(row.prompt) == self.gen.image_token_id) > 0
+            if image is not None:
+                sees[i, s - n:, 0] = np.cumsum(np.asarray(row.prompt) == image.token_id) > 0
                 row.sees_image = bool(sees[i, -1, 0])
-        layout = CacheLayout.of(self.gen.model.config, len(rows), length)
         slots = np.tile(np.arange(s, dtype=np.int32), (len(rows), 1))
-        images = ()
-        if self.gen.image_step is not None and any(r.image is not None for r in rows):
-            images = tuple(self.gen.image_step(Tensor(np.stack([self.gen.pixels(r.image) for r in rows]))))
-        elif self.gen.image_step is not None:  # no row sees an image: its keys/values are masked out
-            zeros = ops.zeros(tuple(self.gen.model.cross_kv_shape(len(rows))), self.gen.dtype)
-            images = (zeros, zeros)
-        logits, k, v = self.gen.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
-                                        layout.zeros(self.gen.dtype), layout.zeros(self.gen.dtype),
-                                        *(images + (Tensor(sees),) if images else ()))
-        return logits, (k, v) + images, mask
+        images = () if image is None else image.rows_keys_values([r.image for r in rows], self.steps.dtype)
+        logits, k, v = self.steps.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
+                                          self.steps.zero_cache(len(rows), length),
+                                          self.steps.zero_cache(len(rows), length),
+                                          *(images + (Tensor(sees),) if images else ()))
+        return _Prefilled(logits, (k, v) + images, mask)
 
     def _leave(self) -> None:
         """Move ended rows to ``done``; shrink the cache if the rows left need less."""
@@ -422,9 +536,9 @@ class SlotBatch:
         if _rows_bucket(len(live), self.max_rows) < len(self.rows) or length < self.mask.shape[1]:
             self._relayout(live, length)
 
-    def _relayout(self, live: List[_Row], length: int, joining=None) -> None:
-        """Rebuild the cache with the rows ``live`` (those present, then the ``joining``
-        ((k, v, images…), mask) rows) first, ``length`` slots each."""
+    def _relayout(self, live: List[_Row], length: int, joining: Optional[_Prefilled] = None) -> None:
+        """Rebuild the cache with the rows ``live`` (those present, then the ``joining`` ones)
+        first, ``length`` slots each."""
         rows = _rows_bucket(len(live), self.max_rows) if self.shrink else self.max_rows
         present = [i for i, r in enumerate(self.rows) if r is not None]
         states, mask = [], []  # per source: (k, v, image keys, image values), rows on axis 1
@@ -432,13 +546,14 @@ class SlotBatch:
             states.append((_fit_slots(self.k, length, 3), _fit_slots(self.v, length, 3)) + self.images)
             mask.append(_fit_slots(self.mask, length, 1))
         if joining is not None:
-            states.append(joining[0]), mask.append(joining[1])
+            states.append(joining.state), mask.append(joining.mask)
         offset = len(self.rows) if present else 0
         take = present + list(range(offset, offset + len(live) - len(present)))
         take += [take[0]] * (rows - len(take))  # free rows: any data, masked out
         index = Tensor(np.array(take, np.int32))
         state = [ops.gather(ops.cat(parts, 1) if len(parts) > 1 else parts[0], index, 1) for parts in zip(*states)]
-        self.k, self.v, self.images = state[0], state[1], tuple(state[2:])
+        self.k, self.v, *images = state
+        self.images = tuple(images)
         self.mask = np.concatenate(mask)[take]
         self.mask[len(live):] = 0
         self.rows = live + [None] * (rows - len(live))
@@ -474,6 +589,10 @@ class Generator:
             images); put in inference mode.
         tokenizer: optional; needed for text, ``stop_strings`` and ``output_filter``.
         output_filter: optional block-list applied to generated text.
+
+    Attributes:
+        steps: the model's step graphs and facts (``StepGraphs``), built once: every batch
+            this generator makes (``batch``) runs them.
     """
 
     def __init__(self, model: CachedLM, tokenizer=None, output_filter: Optional[OutputFilter] = None):
@@ -481,35 +600,16 @@ class Generator:
             raise TypeError(f"a Generator runs a model with a KV-cache step (CachedLM), not a {type(model).__name__}")
         model.set_train(False)
         self.model, self.tokenizer, self.filter = model, tokenizer, output_filter
-        self.dtype = model.cache_dtype
-        self.prefill, self.decode, self.image_step = compiled_steps(model)
-        multimodal = self.image_step is not None
-        self.image_token_id = model.image_token_id if multimodal else None
-        if multimodal:
-            v = model.vision_config
-            self.pixel_shape = ((v.num_frames,) if v.num_frames > 1 else ()) + (v.num_channels, v.image_size,
-                                                                               v.image_size)
+        self.steps = StepGraphs.of(model)
 
-    def check_image(self, prompt: Sequence[int], image, owner) -> Optional[np.ndarray]:
-        """A row's image as float32 pixels, checked against the model and its prompt."""
-        if image is None:
-            if self.image_token_id is not None and self.image_token_id in prompt:
-                raise ValueError(f"prompt {owner!r} holds the image token {self.image_token_id} but no image was given")
-            return None
-        if self.image_step is None:
-            raise ValueError(f"prompt {owner!r} comes with an image, but the model has no vision tower")
-        image = np.asarray(image.asnumpy() if isinstance(image, Tensor) else image, np.float32)
-        if image.shape != self.pixel_shape:
-            raise ValueError(f"prompt {owner!r}: pixel values of shape {image.shape}, the model takes "
-                             f"{self.pixel_shape} (mindqwen.multimodal.data.image_transforms)")
-        if self.image_token_id not in prompt:
-            raise ValueError(f"prompt {owner!r} comes with an image but holds no image token "
-                             f"({self.image_token_id}): nothing would attend to it")
-        return image
+    @property
+    def image_token_id(self) -> Optional[int]:
+        """A multimodal model's image token; None for a text model."""
+        return self.steps.image_token_id
 
-    def pixels(self, image: Optional[np.ndarray]) -> np.ndarray:
-        """A row's pixels for the image step: zeros for a row without an image (masked out)."""
-        return np.zeros(self.pixel_shape, np.float32) if image is None else image
+    def batch(self, max_rows: int, shrink: bool = True) -> SlotBatch:
+        """An empty ``SlotBatch`` over this generator's graphs, tokenizer and output filter."""
+        return SlotBatch(self.steps, max_rows, shrink, self.tokenizer, self.filter)
 
     def run(self, prompts: Sequence[Sequence[int]], configs: Union[GenerationConfig, Sequence[GenerationConfig]],
             on_token: Optional[TokenCallback] = None, progress: bool = False,
@@ -529,7 +629,7 @@ class Generator:
             configs = [configs] * len(prompts)
         if self.tokenizer is None and (self.filter is not None or any(c.stop_strings for c in configs)):
             raise ValueError("stop_strings and output filters work on text: pass a tokenizer")
-        batch = SlotBatch(self, max(rows, len(prompts)), shrink=False)  # one decode graph for the whole run
+        batch = self.batch(max(rows, len(prompts)), shrink=False)  # one decode graph for the whole run
         with self.graph_mode(), tqdm(total=max(c.max_new_tokens for c in configs), desc="generating",
                                      unit="tok", disable=not progress) as bar:
             batch.join(prompts, configs, range(len(prompts)), on_token, images)
@@ -556,9 +656,9 @@ def compiled_steps(model) -> tuple:
     a new cell has a new stamp): the step Cells above the model keep their own stamps, so their
     graphs would be stale. A ``Generator`` made before the change keeps the old Cells."""
     stamp = max(cell.create_time for _, cell in model.cells_and_names())
-    kept = model.__dict__.get("_mindqwen_steps")
-    if kept is not None and kept[0] == stamp:
-        return kept[1]
+    kept_stamp, kept = model.__dict__.get("_mindqwen_steps", (None, None))
+    if kept is not None and kept_stamp == stamp:
+        return kept
     multimodal = isinstance(model, ImageConditionedLM)
     step = ImageCachedStep if multimodal else CachedStep
     prefill, decode = step(model), step(model)

@@ -2,7 +2,10 @@
 
 ``LoRALayer`` owns the base ``weight``/``bias`` Parameters of the ``Linear`` it replaces (the
 same objects, so ``q_proj.weight`` keeps its key and its storage) and adds ``lora_a`` [r, in] and
-``lora_b`` [out, r]. ``apply_lora`` swaps layers in by ``insert_child_to_cell``; adapters move
+``lora_b`` [out, r]. The family shares one base, ``LoraAdapter`` (adapter parameters, scaling,
+dropout, merge/unmerge of ΔW = s·B·A): ``LoRALayer`` for a ``Linear``, ``DoRALayer`` (a
+``LoRALayer`` with a magnitude vector) for ``use_dora``, ``ExpertLoRALayer`` for stacked
+experts. ``apply_lora`` swaps layers in by ``insert_child_to_cell``; adapters move
 to and from HF PEFT's format (``save_adapter`` / ``load_adapter``) without touching the user's
 files.
 """
@@ -26,7 +29,8 @@ from mindqwen.io.atomic import staged_files
 from mindqwen.io.experts import expert_slice, is_stacked, per_expert_names
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
-from mindqwen.models.graph import invalidate_compiled_graphs
+from mindqwen.config import ExecutionOptions
+from mindqwen.models.graph import invalidate_compiled_graphs, low_dtype
 from mindqwen.models.qwen import ExpertLinear, Linear, Router
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # Q and V keep most of the quality at the lowest cost
@@ -238,39 +242,114 @@ def _dropout(x, rate: float, training: bool):
     return x
 
 
-class LoRALayer(nn.Cell):
-    """A ``Linear`` plus a low-rank update; owns the base ``weight`` and ``bias``.
+class LoraAdapter(nn.Cell):
+    """What every LoRA layer shares: the base weight it owns, the adapter pair A and B, the
+    scaling s, the input dropout, and folding ΔW = s·B·A into the base weight and back.
 
-        y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ                       s = alpha/r (rsLoRA: alpha/√r)
-        DoRA: y = m/‖W + s·B·A‖ ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ) + b      (row norms, held constant in
-                                                                backward, as PEFT does)
+    The parameters are named ``<path>.lora_a`` / ``<path>.lora_b`` (PEFT's ``lora_A`` /
+    ``lora_B``); a subclass gives A's initial value and B's shape (stacked for experts) and
+    the forward. ``merge`` / ``unmerge`` are exact in float64 and round once to the weight's
+    dtype; a subclass that merges more than ΔW (DoRA) says how in ``_fold_np`` / ``_unfold_np``.
 
-    x·Aᵀ is computed first, so the update costs O(T·r·(in + out)), never an [out, in] matrix.
+    Attributes:
+        scaling: s = alpha/r (rsLoRA: alpha/√r).
+        merged: whether ΔW is in ``weight`` (the forward then skips the adapter).
+        dropout: the rate of the dropout on the adapter's input while training.
+        compute_dtype: the dtype the matmuls run in (None: the input's), as ``Linear``'s.
     """
 
-    def __init__(self, base: Linear, config: LoraConfig, path: str):
+    def __init__(self, base: nn.Cell, bias: Optional[Parameter], config: LoraConfig, path: str,
+                 lora_a: Tensor, lora_b_shape: tuple):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias  # the same Parameter objects
+        self.weight, self.bias = base.weight, bias  # the base's own Parameters: keys and storage kept
+        self.scaling = config.scaling
+        self.merged = False
         # Adapter weights stay fp32 over a fp16/bf16 base (as PEFT's autocast_adapter_dtype):
         # AdamW updates of ~1e-4·|w| vanish in 8 mantissa bits.
-        r, dtype = config.r, ms.float32
-        self.scaling = config.scaling
-        self.use_dora = config.use_dora
-        self.merged = False
-        self.lora_a = Parameter(initializer(_a_init(config), (r, self.in_features), dtype), name=f"{path}.lora_a")
-        self.lora_b = Parameter(initializer("zeros", (self.out_features, r), dtype), name=f"{path}.lora_b")
-        self.pissa_init = self._init_pissa() if config.init == "pissa" else None
-        if self.use_dora:
-            self.lora_magnitude_vector = Parameter(Tensor(self._weight_norm_np()), name=f"{path}.lora_magnitude_vector")
+        self.lora_a = Parameter(lora_a, name=f"{path}.lora_a")
+        self.lora_b = Parameter(initializer("zeros", lora_b_shape, ms.float32), name=f"{path}.lora_b")
         self.dropout = float(config.lora_dropout)
         self.matmul = ops.MatMul(transpose_b=True)
         self.compute_dtype = base.compute_dtype
 
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.compute_dtype = low_dtype(options.compute_dtype)
+
+    @property
+    def use_dora(self) -> bool:
+        """Whether this is a DoRA layer (``DoRALayer``); read-only: the class decides."""
+        return False
+
+    def adapter_arrays(self) -> Dict[str, np.ndarray]:
+        """The adapter's tensors as a PEFT adapter file holds them, by mindqwen parameter name."""
+        return {self.lora_a.name: self.lora_a.asnumpy(), self.lora_b.name: self.lora_b.asnumpy()}
+
+    # ------------------------------------------------------------------ host-side merge
+    def delta_np(self) -> np.ndarray:
+        """ΔW = s·B·A in float64: [out, in], or [E, out, in] per expert (matmul maps over E)."""
+        return self.scaling * np.matmul(self.lora_b.asnumpy().astype(np.float64),
+                                        self.lora_a.asnumpy().astype(np.float64))
+
+    def merged_weight_np(self) -> np.ndarray:
+        """The weight ``merge`` would write, in float64, without touching the layer."""
+        return self._weight_np() if self.merged else self._fold_np(self._adapted_np())
+
+    def merge(self) -> None:
+        """W ← W + ΔW (computed in float64); a no-op when merged."""
+        if not self.merged:
+            self._set_weight_np(self.merged_weight_np())
+            self.merged = True
+
+    def unmerge(self) -> None:
+        """Undo ``merge`` (to the weight dtype's rounding); a no-op when not merged."""
+        if self.merged:
+            self._set_weight_np(self._unfold_np(self._weight_np()) - self.delta_np())
+            self.merged = False
+
+    def _fold_np(self, w: np.ndarray) -> np.ndarray:
+        """W + ΔW → the merged weight (plain LoRA: itself). Must not change the layer."""
+        return w
+
+    def _unfold_np(self, w: np.ndarray) -> np.ndarray:
+        """The merged weight → W + ΔW: ``_fold_np`` undone (plain LoRA: itself)."""
+        return w
+
+    def _weight_np(self) -> np.ndarray:
+        return self.weight.asnumpy().astype(np.float64)
+
+    def _adapted_np(self) -> np.ndarray:
+        """W + ΔW in float64 (the adapted weight while not merged)."""
+        return self._weight_np() + self.delta_np()
+
+    def _set_weight_np(self, w: np.ndarray) -> None:
+        # Through float32 as the weights were always written, then to the base's dtype.
+        self.weight.set_data(Tensor(w.astype(np.float32)).astype(self.weight.dtype))
+
+
+class LoRALayer(LoraAdapter):
+    """A ``Linear`` plus a low-rank update; owns the base ``weight`` and ``bias``.
+
+        y = x·Wᵀ + b + s·(drop(x)·Aᵀ)·Bᵀ                       s = alpha/r (rsLoRA: alpha/√r)
+
+    x·Aᵀ is computed first, so the update costs O(T·r·(in + out)), never an [out, in] matrix.
+    With ``init="pissa"`` A and B start from W's top-r SVD and W keeps the residual;
+    ``pissa_init`` then holds the initial A and B (None otherwise).
+    """
+
+    def __init__(self, base: Linear, config: LoraConfig, path: str):
+        if config.use_dora != self.use_dora:  # the class decides DoRA: a mismatch would save a wrong adapter
+            raise ValueError(f"{path}: LoraConfig.use_dora={config.use_dora} takes "
+                             f"{'DoRALayer' if config.use_dora else 'LoRALayer'}, not {type(self).__name__} "
+                             "(inject_lora picks the class from the config)")
+        a = initializer(_a_init(config), (config.r, base.in_features), ms.float32)
+        super().__init__(base, base.bias, config, path, a, (base.out_features, config.r))
+        self.pissa_init = self._init_pissa() if config.init == "pissa" else None
+
     def weights(self) -> tuple:
-        """weight, bias (if any), lora_a, lora_b, and DoRA's magnitude vector (if any)."""
+        """weight, bias (if any), then the adapter's weights (``_adapter_weights``)."""
         base = (self.weight,) if self.bias is None else (self.weight, self.bias)
-        return base + (self.lora_a, self.lora_b) + ((self.lora_magnitude_vector,) if self.use_dora else ())
+        return base + self._adapter_weights()
 
     def construct(self, x):
         return self.apply(self.weights(), x)
@@ -286,77 +365,114 @@ class LoRALayer(nn.Cell):
         if not self.merged:
             xd = _dropout(x2, self.dropout, self.training)
             lora = self.matmul(self.matmul(xd, a), b) * self.scaling  # (T, r) -> (T, out)
-            if self.use_dora:
-                wd = w[0].astype(ms.float32) + self.matmul(w[n + 1], w[n].T) * self.scaling  # (out, in)
-                norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(wd * wd, 1)))  # (out,)
-                scale = (w[n + 2] / norm).astype(y.dtype)
-                yd = y if self.dropout == 0 else self.matmul(xd, weight)
-                y = y + (scale - 1) * yd + scale * lora
-            else:
-                y = y + lora
+            y = self._add_update(y, lora, xd, weight, w[0], w[n:])
         if self.bias is not None:
             y = y + w[1].astype(y.dtype)
         return y.reshape(x.shape[:-1] + (self.out_features,)).astype(x.dtype)
 
-    # ------------------------------------------------------------------ host-side helpers
-    def delta_np(self) -> np.ndarray:
-        """s·B·A in float64."""
-        return self.scaling * (self.lora_b.asnumpy().astype(np.float64) @ self.lora_a.asnumpy().astype(np.float64))
+    # Hooks that DoRALayer overrides, so the graph-mode forward above needs no super() call.
+    def _adapter_weights(self) -> tuple:
+        """The adapter's part of ``weights()``: lora_a, lora_b."""
+        return self.lora_a, self.lora_b
 
-    def _weight_norm_np(self) -> np.ndarray:
-        w = self.weight.asnumpy().astype(np.float64) + self.delta_np()
-        return np.sqrt((w * w).sum(1)).astype(np.float32)
+    def _add_update(self, y, lora, xd, weight, w0, adapter):
+        """y (T, out) = x·Wᵀ plus the update ``lora`` = s·(xd·Aᵀ)·Bᵀ; xd is the dropped input,
+        ``weight`` W in the compute dtype, w0 W as stored, ``adapter`` this layer's part of w."""
+        return y + lora
+
+    def adapter_arrays(self) -> Dict[str, np.ndarray]:
+        """As the base's; a PiSSA adapter is exported as PEFT does it: rank 2r relative to the
+        *original* weight ([A; A0], [B, −B0]), so it applies to the untouched base checkpoint."""
+        arrays = super().adapter_arrays()
+        if self.pissa_init is not None:
+            a, b = self.lora_a.name, self.lora_b.name
+            arrays[a] = np.concatenate([arrays[a], self.pissa_init["lora_a"]], 0)
+            arrays[b] = np.concatenate([arrays[b], -self.pissa_init["lora_b"]], 1)
+        return arrays
 
     def _init_pissa(self) -> Dict[str, np.ndarray]:
         """A, B from the top-r singular triplets of W (scaled so s·B·A is their sum); W keeps
         the residual. Returns the initial A, B, needed to export a PEFT-compatible adapter."""
-        w = self.weight.asnumpy().astype(np.float64)
+        w = self._weight_np()
         u, sv, vt = np.linalg.svd(w, full_matrices=False)
         r = self.lora_a.shape[0]
         root = np.sqrt(sv[:r] / self.scaling)
         a, b = root[:, None] * vt[:r], u[:, :r] * root[None, :]
         self.lora_a.set_data(Tensor(a.astype(np.float32)))
         self.lora_b.set_data(Tensor(b.astype(np.float32)))
-        self.weight.set_data(Tensor((w - self.scaling * b @ a).astype(np.float32)).astype(self.weight.dtype))
+        self._set_weight_np(w - self.scaling * b @ a)
         return {"lora_a": self.lora_a.asnumpy().copy(), "lora_b": self.lora_b.asnumpy().copy()}
 
-    def merged_weight_np(self) -> np.ndarray:
-        """The weight ``merge`` would write, in float64, without touching the layer."""
-        if self.merged:
-            return self.weight.asnumpy().astype(np.float64)
-        return self._merge_np()[0]
 
-    def _merge_np(self):
-        w = self.weight.asnumpy().astype(np.float64) + self.delta_np()
-        factor = None
-        if self.use_dora:
-            factor = self.lora_magnitude_vector.asnumpy().astype(np.float64) / np.sqrt((w * w).sum(1))
-            w = w * factor[:, None]
-        return w, factor
+class DoRALayer(LoRALayer):
+    """Weight-decomposed LoRA: a trainable magnitude ``lora_magnitude_vector`` m per output row
+    rescales the adapted weight's rows to norm m.
+
+        y = m/‖W + s·B·A‖ ⊙ (x·Wᵀ + s·(x·Aᵀ)·Bᵀ) + b      (row norms, held constant in backward,
+                                                           as PEFT does)
+
+    m starts at the row norms of W + s·B·A (after PiSSA's initialisation, when asked), so the
+    layer starts as a LoRA layer would.
+    """
+
+    def __init__(self, base: Linear, config: LoraConfig, path: str):
+        super().__init__(base, config, path)
+        norms = self._row_norms_np(self._adapted_np()).astype(np.float32)
+        self.lora_magnitude_vector = Parameter(Tensor(norms), name=f"{path}.lora_magnitude_vector")
+        # m/‖W + ΔW‖ per row, as merge computed it: unmerge divides by it (None while not merged).
+        self._dora_factor: Optional[np.ndarray] = None
+
+    @property
+    def use_dora(self) -> bool:
+        """True: this is a DoRA layer."""
+        return True
+
+    def _adapter_weights(self) -> tuple:
+        """lora_a, lora_b, lora_magnitude_vector."""
+        return self.lora_a, self.lora_b, self.lora_magnitude_vector
+
+    def _add_update(self, y, lora, xd, weight, w0, adapter):
+        """y + (m/‖W + s·B·A‖ − 1)·(xd·Wᵀ) + m/‖W + s·B·A‖·lora; with no dropout xd·Wᵀ is y itself."""
+        a, b, m = adapter
+        wd = w0.astype(ms.float32) + self.matmul(b, a.T) * self.scaling  # (out, in)
+        norm = ops.stop_gradient(ops.sqrt(ops.reduce_sum(wd * wd, 1)))  # (out,)
+        scale = (m / norm).astype(y.dtype)
+        yd = y if self.dropout == 0 else self.matmul(xd, weight)
+        return y + (scale - 1) * yd + scale * lora
+
+    def adapter_arrays(self) -> Dict[str, np.ndarray]:
+        """As ``LoRALayer``'s, plus the magnitude vector."""
+        arrays = super().adapter_arrays()
+        arrays[self.lora_magnitude_vector.name] = self.lora_magnitude_vector.asnumpy()
+        return arrays
 
     def merge(self) -> None:
-        """W ← W + s·B·A (DoRA: m/‖W + s·B·A‖ ⊙ (W + s·B·A)), computed in float64."""
-        if self.merged:
-            return
-        w, self._dora_factor = self._merge_np()
-        self.weight.set_data(Tensor(w.astype(np.float32)).astype(self.weight.dtype))
-        self.merged = True
-
-    def unmerge(self) -> None:
-        """Undo ``merge`` (to float32 rounding)."""
+        """W ← m/‖W + s·B·A‖ ⊙ (W + s·B·A), computed in float64; keeps the factor for ``unmerge``."""
         if not self.merged:
-            return
-        w = self.weight.asnumpy().astype(np.float64)
-        if self.use_dora:
-            w = w / self._dora_factor[:, None]
-        self.weight.set_data(Tensor((w - self.delta_np()).astype(np.float32)).astype(self.weight.dtype))
-        self.merged = False
+            self._dora_factor = self._factor_np(self._adapted_np())
+            super().merge()
+
+    def _fold_np(self, w: np.ndarray) -> np.ndarray:
+        """W + ΔW → its rows rescaled to the magnitudes m."""
+        return w * self._factor_np(w)[:, None]
+
+    def _unfold_np(self, w: np.ndarray) -> np.ndarray:
+        # The factor merge used, not one recomputed from the merged (rounded) weight.
+        return w / self._dora_factor[:, None]
+
+    def _factor_np(self, w: np.ndarray) -> np.ndarray:
+        """m/‖row‖ for each row of w (W + ΔW), in float64."""
+        return self.lora_magnitude_vector.asnumpy().astype(np.float64) / self._row_norms_np(w)
+
+    @staticmethod
+    def _row_norms_np(w: np.ndarray) -> np.ndarray:
+        return np.sqrt((w * w).sum(1))
 
 
-class ExpertLoRALayer(nn.Cell):
+class ExpertLoRALayer(LoraAdapter):
     """LoRA on an ``ExpertLinear`` (one projection of all E experts, stacked): expert e gets its
     own A[e] [r, in] and B[e] [out, r], PEFT's ``mlp.experts.{e}.<proj>.lora_A/B`` on HF's
-    per-expert modules. Owns the base [E, out, in] ``weight``.
+    per-expert modules. Owns the base [E, out, in] ``weight``; has no bias.
 
         y[e] = x[e]·W[e]ᵀ + s·(drop(x[e])·A[e]ᵀ)·B[e]ᵀ          x (E, T, in) → y (E, T, out)
 
@@ -364,24 +480,16 @@ class ExpertLoRALayer(nn.Cell):
     """
 
     def __init__(self, base: ExpertLinear, config: LoraConfig, path: str):
-        super().__init__()
         if config.use_dora or config.init == "pissa":
             raise ValueError(f"{path}: {'DoRA' if config.use_dora else 'PiSSA'} on a mixture of experts' "
                              "experts is not implemented; leave gate_proj/up_proj/down_proj out of target_modules "
                              "or use plain LoRA")
-        e, self.in_features, self.out_features = base.num_experts, base.in_features, base.out_features
-        self.num_experts = e
-        self.weight, self.bias = base.weight, None  # the same Parameter
-        r = config.r
-        self.scaling, self.use_dora, self.pissa_init, self.merged = config.scaling, False, None, False
+        e, r = base.num_experts, config.r
         # Initialised as E separate [r, in] matrices: kaiming-uniform's bound is 1/√in per expert.
-        a = initializer(_a_init(config), (e * r, self.in_features), ms.float32).init_data().reshape(e, r, self.in_features)
-        self.lora_a = Parameter(a, name=f"{path}.lora_a")  # (E, r, in)
-        self.lora_b = Parameter(initializer("zeros", (e, self.out_features, r), ms.float32), name=f"{path}.lora_b")
-        self.dropout = float(config.lora_dropout)
+        a = initializer(_a_init(config), (e * r, base.in_features), ms.float32).init_data()
+        super().__init__(base, None, config, path, a.reshape(e, r, base.in_features), (e, base.out_features, r))
+        self.num_experts = e
         self.bmm = ops.BatchMatMul(transpose_b=True)
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.compute_dtype = base.compute_dtype
 
     def construct(self, x):
         """x (E, T, in) → (E, T, out): expert e's tokens through expert e's weight and adapter."""
@@ -417,30 +525,11 @@ class ExpertLoRALayer(nn.Cell):
             x, w = x.astype(self.compute_dtype), w.astype(self.compute_dtype)
         return x, w, self.lora_a.astype(x.dtype), self.lora_b.astype(x.dtype)
 
-    def delta_np(self) -> np.ndarray:
-        """s·B[e]·A[e] for every expert, (E, out, in) in float64."""
-        return self.scaling * np.matmul(self.lora_b.asnumpy().astype(np.float64), self.lora_a.asnumpy().astype(np.float64))
-
-    def merged_weight_np(self) -> np.ndarray:
-        w = self.weight.asnumpy().astype(np.float64)
-        return w if self.merged else w + self.delta_np()
-
-    def merge(self) -> None:
-        if not self.merged:
-            self.weight.set_data(Tensor(self.merged_weight_np().astype(np.float32)).astype(self.weight.dtype))
-            self.merged = True
-
-    def unmerge(self) -> None:
-        if self.merged:
-            w = self.weight.asnumpy().astype(np.float64) - self.delta_np()
-            self.weight.set_data(Tensor(w.astype(np.float32)).astype(self.weight.dtype))
-            self.merged = False
-
 
 # ---------------------------------------------------------------------- model surgery
-def lora_layers(model: nn.Cell) -> Dict[str, Union[LoRALayer, ExpertLoRALayer]]:
-    """Module path → LoRALayer (or ExpertLoRALayer), in model order."""
-    return {path: cell for path, cell in model.cells_and_names() if isinstance(cell, (LoRALayer, ExpertLoRALayer))}
+def lora_layers(model: nn.Cell) -> Dict[str, LoraAdapter]:
+    """Module path → LoRA layer (``LoRALayer``, ``DoRALayer`` or ``ExpertLoRALayer``), in model order."""
+    return {path: cell for path, cell in model.cells_and_names() if isinstance(cell, LoraAdapter)}
 
 
 def apply_lora(model: nn.Cell, config: Optional[LoraConfig] = None) -> nn.Cell:
@@ -480,7 +569,8 @@ def fused_qkv_targets(config: LoraConfig, model: nn.Cell) -> LoraConfig:
 
 def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str]:
     """Replace every ``Linear`` under ``root`` that ``config`` targets by a ``LoRALayer``
-    (trainability is left to the caller); returns the replaced paths.
+    (``DoRALayer`` with ``use_dora``; ``ExpertLoRALayer`` for an ``ExpertLinear``; trainability
+    is left to the caller); returns the replaced paths.
 
     ``prefix`` is prepended to the module paths that name the LoRA parameters, for a ``root``
     that lives inside a larger model (``vision.`` …).
@@ -499,7 +589,7 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
     cells = dict(root.cells_and_names())
     for path, base in targets:
         parent, _, child = path.rpartition(".")
-        layer = ExpertLoRALayer if isinstance(base, ExpertLinear) else LoRALayer
+        layer = ExpertLoRALayer if isinstance(base, ExpertLinear) else DoRALayer if config.use_dora else LoRALayer
         cells[parent].insert_child_to_cell(child, layer(base, config, prefix + path))
     return [path for path, _ in targets]
 
@@ -595,20 +685,14 @@ def adapter_state(model: nn.Cell) -> Dict[str, np.ndarray]:
     """The adapter's tensors under PEFT's key names (``base_model.model.<path>.lora_A.weight`` …);
     stacked experts' tensors split into PEFT's per-expert ones (``…mlp.experts.3.up_proj.lora_A.weight``).
 
-    A PiSSA adapter is exported as PEFT does it: a rank-2r LoRA relative to the *original*
-    weights ([A; A0], [B, −B0]), so it applies to the untouched base checkpoint.
+    Each layer gives its own tensors (``adapter_arrays``: a PiSSA adapter as PEFT exports it, a
+    rank-2r LoRA relative to the *original* weights; DoRA's magnitudes too).
     """
     config: LoraConfig = model.lora_config
     named: Dict[str, np.ndarray] = {}  # mindqwen name → array
-    for path, layer in lora_layers(model).items():
-        a, b = layer.lora_a.asnumpy(), layer.lora_b.asnumpy()
-        if layer.pissa_init is not None:
-            a = np.concatenate([a, layer.pissa_init["lora_a"]], 0)
-            b = np.concatenate([b, -layer.pissa_init["lora_b"]], 1)
-        named[layer.lora_a.name], named[layer.lora_b.name] = a, b
-        if layer.use_dora:
-            named[layer.lora_magnitude_vector.name] = layer.lora_magnitude_vector.asnumpy()
     layers = lora_layers(model)
+    for layer in layers.values():
+        named.update(layer.adapter_arrays())
     for p in model.get_parameters():
         owner = p.name.rpartition(".")[0]
         if p.requires_grad and p.name.endswith(".bias") and (config.bias == "all" or owner in layers):
@@ -705,6 +789,7 @@ def _peft_key(name: str) -> str:
     return PEFT_PREFIX + re.sub(r"\.lora_([ab])$", lambda m: f".lora_{m.group(1).upper()}.weight", name)
 
 
-__all__ = ["LoraConfig", "LoRALayer", "ExpertLoRALayer", "apply_lora", "mark_only_lora_trainable", "trainable_report",
+__all__ = ["LoraConfig", "LoraAdapter", "LoRALayer", "DoRALayer", "ExpertLoRALayer", "apply_lora",
+           "mark_only_lora_trainable", "trainable_report",
            "merge_lora", "unmerge_lora", "merge_and_unload", "save_adapter", "load_adapter",
            "adapter_state", "lora_layers"]

@@ -86,7 +86,7 @@ def test_packed_documents_equal_each_document_alone(mode):
     document's logits equal the model run on that document alone (positions restart, no
     attention across documents); without boundaries the second document differs."""
     import mindspore as ms
-    from mindqwen.models.qwen import set_document_boundaries
+    from mindqwen.models.graph import configure
     model = from_pretrained(fixture_path("qwen3_tiny", "base"))
     eos = 7
     rng = np.random.default_rng(0)
@@ -95,7 +95,7 @@ def test_packed_documents_equal_each_document_alone(mode):
     row = np.concatenate([a, b, [3, 4]])[None].astype(np.int32)  # a tail document without EOS
     alone = [model(ms.Tensor(d[None].astype(np.int32))).asnumpy()[0] for d in (a, b, np.array([3, 4]))]
     plain = model(ms.Tensor(row)).asnumpy()[0]
-    set_document_boundaries(model, eos)
+    configure(model, document_eos_id=eos)
     packed = model(ms.Tensor(row)).asnumpy()[0]
     na, nb = len(a), len(b)
     np.testing.assert_allclose(packed[:na], alone[0], atol=2e-5)

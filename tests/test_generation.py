@@ -116,7 +116,7 @@ def test_rows_joining_and_leaving_a_running_batch_compute_what_they_compute_alon
                "B": GenerationConfig(max_new_tokens=6, top_logprobs=2),
                "C": GenerationConfig(max_new_tokens=12, top_logprobs=2), "D": GenerationConfig(max_new_tokens=30)}
     generator, tokens = Generator(model), {k: [] for k in prompts}
-    batch = SlotBatch(generator, max_rows=4)
+    batch = generator.batch(max_rows=4)
 
     def join(*keys):
         batch.join([prompts[k] for k in keys], [configs[k] for k in keys], keys,
@@ -170,14 +170,15 @@ def test_generators_over_one_model_share_its_compiled_steps_until_surgery():
     model = from_pretrained(fixture_path("qwen2_tiny", "base"))
     first = Generator(model)
     again = Generator(model, LetterTokenizer(), OutputFilter(["x"]))
-    assert again.prefill is first.prefill and again.decode is first.decode
-    seen = [first.prefill]
+    assert again.steps.prefill is first.steps.prefill and again.steps.decode is first.steps.decode
+    seen = [first.steps.prefill]
     for surgery in (lambda: apply_lora(model, LoraConfig(r=4)), lambda: merge_lora(model),
                     lambda: invalidate_compiled_graphs(model.model.layers[1])):
         surgery()
         fresh = Generator(model)
-        assert all(fresh.prefill is not old for old in seen) and Generator(model).decode is fresh.decode
-        seen.append(fresh.prefill)
+        assert all(fresh.steps.prefill is not old for old in seen)
+        assert Generator(model).steps.decode is fresh.steps.decode
+        seen.append(fresh.steps.prefill)
 
 
 def test_evaluation_batches_of_equal_rows_answer_what_each_prompt_answers_alone(monkeypatch):

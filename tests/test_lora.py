@@ -17,7 +17,7 @@ from conftest import MODELS, fixture_path, reference
 from mindqwen import (LoraConfig, apply_lora, from_pretrained, load_adapter, merge_and_unload,
                       merge_lora, save_adapter, trainable_report, unmerge_lora)
 from mindqwen.io.safetensors import SafetensorsFile
-from mindqwen.lora import LoRALayer, lora_layers
+from mindqwen.lora import DoRALayer, LoRALayer, lora_layers
 from mindqwen.models.qwen import Linear
 
 LOGITS_TOL, GRAD_RTOL = 5e-5, 1e-4
@@ -273,7 +273,7 @@ def _one_layer(config, seed=0):
     w, b = rng.normal(0, 0.3, (12, 16)).astype(np.float32), rng.normal(0, 0.1, 12).astype(np.float32)
     lin.weight.set_data(ms.Tensor(w))
     lin.bias.set_data(ms.Tensor(b))
-    layer = LoRALayer(lin, config, "proj")
+    layer = (DoRALayer if config.use_dora else LoRALayer)(lin, config, "proj")
     a, bb = rng.normal(0, 0.2, (config.r, 16)).astype(np.float32), rng.normal(0, 0.2, (12, config.r)).astype(np.float32)
     layer.lora_a.set_data(ms.Tensor(a))
     layer.lora_b.set_data(ms.Tensor(bb))
@@ -295,6 +295,25 @@ def test_dora_layer_equals_numpy_formula():
     wd = w.astype(np.float64) + 2.0 * bb @ a  # s = 8/4
     expected = (x.astype(np.float64) @ wd.T) * (m / np.linalg.norm(wd, axis=1)) + b
     np.testing.assert_allclose(layer(ms.Tensor(x)).asnumpy(), expected, atol=2e-6)
+
+
+def test_dora_is_its_own_class_and_merge_round_trips():
+    """The class decides DoRA (a mismatched config is refused, not trained as plain LoRA); a DoRA
+    layer merges to m/‖W + s·B·A‖ ⊙ (W + s·B·A) and unmerges back to W."""
+    with pytest.raises(ValueError, match="use_dora=True takes DoRALayer"):
+        LoRALayer(Linear(16, 12, True), LoraConfig(r=4, use_dora=True), "proj")
+    with pytest.raises(ValueError, match="use_dora=False takes LoRALayer"):
+        DoRALayer(Linear(16, 12, True), LoraConfig(r=4), "proj")
+    layer, x, w, b, a, bb = _one_layer(LoraConfig(r=4, lora_alpha=8, use_dora=True))
+    assert isinstance(layer, LoRALayer) and layer.use_dora and layer._dora_factor is None
+    wd = w.astype(np.float64) + 2.0 * bb.astype(np.float64) @ a
+    expected = wd * (layer.lora_magnitude_vector.asnumpy() / np.linalg.norm(wd, axis=1))[:, None]
+    np.testing.assert_allclose(layer.merged_weight_np(), expected, rtol=1e-6)
+    before = layer(ms.Tensor(x)).asnumpy()
+    layer.merge()
+    np.testing.assert_allclose(layer(ms.Tensor(x)).asnumpy(), before, atol=2e-6)
+    layer.unmerge()
+    np.testing.assert_allclose(layer.weight.asnumpy(), w, atol=1e-6)
 
 
 def test_lora_dropout_drops_the_adapter_input_and_rescales():

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import MODELS, fixture_path, reference
 from mindqwen import QwenConfig, from_pretrained
+from mindqwen.models.graph import configure
 
 LOGITS_TOL = 5e-5
 HIDDEN_TOL = 1e-5
@@ -110,6 +111,7 @@ def test_loss_in_chunks_matches_hf(rows):
     """The chunked loss path against HF's loss (and the unchunked path) on a tiny model."""
     ref = reference("qwen2_tiny")
     model = from_pretrained(fixture_path("qwen2_tiny", "base"))
-    model.chunked_loss.rows = rows
+    configure(model, loss_chunk_rows=rows)
+    assert model.chunked_loss.rows == rows
     ids = ms.Tensor(ref["input_ids"].astype(np.int32))
     assert abs(float(model(ids, labels=ids).asnumpy()) - float(ref["loss"])) <= HIDDEN_TOL

@@ -337,7 +337,7 @@ def test_shapes_demo_learns_to_caption_and_exports(tmp_path):
     ≈ 1/48) rises by at least 30 points through the fused stage alone; the export's LM and
     vision graphs pass their parity checks."""
     from mindqwen.train.recipe import load_recipe
-    from mindqwen.train.run import train_recipe
+    from mindqwen.tasks import train_recipe
     summary = train_recipe(load_recipe("multimodal/shapes", [
         "multimodal.shapes.train_images=2000", "multimodal.text_steps=150", "multimodal.vision_steps=400",
         "trainer.max_steps=300", "trainer.progress=false", f"trainer.output_dir={tmp_path}"]))
@@ -358,7 +358,7 @@ def test_multimodal_recipe_with_o2_recompute_accumulation_resumes_bit_identical(
     import os
     import shutil
     from mindqwen.train.recipe import load_recipe
-    from mindqwen.train.run import train_recipe
+    from mindqwen.tasks import train_recipe
     settings = SMALL_SHAPES + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.precision.level=O2",
                                "trainer.recompute=full", "trainer.gradient_accumulation=2",
                                "multimodal.vision_steps=0"]  # one preparatory stage is enough here
@@ -381,9 +381,9 @@ def test_multimodal_recipe_with_o2_recompute_accumulation_resumes_bit_identical(
 
     # what `mindqwen export <recipe>` rebuilds: the fused stage's trained tensors are the checkpoint's
     from mindqwen.io.safetensors import SafetensorsFile
-    from mindqwen.train.run_multimodal import trained_model
-    rebuilt = {p.name: p.asnumpy() for p in trained_model(load_recipe("multimodal/shapes", settings + [
-        f"trainer.output_dir={tmp_path / 'b'}"])).get_parameters()}
+    from mindqwen.tasks import task_for
+    rebuilt = {p.name: p.asnumpy() for p in task_for(load_recipe("multimodal/shapes", settings + [
+        f"trainer.output_dir={tmp_path / 'b'}"])).trained_model().get_parameters()}
     ckpt = SafetensorsFile(str(tmp_path / "a" / "checkpoints" / "step_00000004" / "model.safetensors"))
     assert len(list(ckpt.keys())) > 10
     for name in ckpt.keys():
@@ -392,7 +392,7 @@ def test_multimodal_recipe_with_o2_recompute_accumulation_resumes_bit_identical(
 
 def test_shapes_recipe_validates_and_refuses_what_it_cannot_use_with_the_reason():
     from mindqwen.train.recipe import RecipeError
-    from mindqwen.train.validate import validate_recipe
+    from mindqwen.tasks import validate_recipe
     report = validate_recipe("multimodal/shapes", ["trainer.recompute=full", "trainer.precision.level=O2"])
     assert "vision lora (8,192)" in report and "cross_attention full" in report and "precision O2" in report
     with pytest.raises(RecipeError, match=r"a multimodal recipe cannot use lora \(LoRA is set per group"):

@@ -2,6 +2,7 @@
 and held beside the KV cache, against full recomputation of the fused model."""
 import functools
 import os
+from dataclasses import replace
 
 import mindspore as ms
 import numpy as np
@@ -104,9 +105,9 @@ def test_generator_rows_with_images_without_and_joining_later_equal_full_recompu
     images = _images(3, seed=1)
     config = GenerationConfig(max_new_tokens=6)
     gen = Generator(model)
-    vit_rows, image_step = [], gen.image_step
-    gen.image_step = lambda pixels: (vit_rows.append(pixels.shape[0]), image_step(pixels))[1]
-    batch = SlotBatch(gen, 4)
+    vit_rows, vit = [], gen.steps.image.keys_values
+    counted = replace(gen.steps.image, keys_values=lambda pixels: (vit_rows.append(pixels.shape[0]), vit(pixels))[1])
+    batch = SlotBatch(replace(gen.steps, image=counted), 4)
     tokens = {}
     with gen.graph_mode():
         batch.join([[90, 91, 92]], [config], ["text"], images=[None])

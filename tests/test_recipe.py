@@ -70,7 +70,7 @@ import sys  # noqa: E402
 
 from conftest import fixture_path  # noqa: E402
 from mindqwen.train import recipe as recipe_module  # noqa: E402
-from mindqwen.train.validate import validate_recipe  # noqa: E402
+from mindqwen.tasks import validate_recipe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = sorted(glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True))

@@ -14,7 +14,7 @@ from mindspore.common.initializer import initializer
 from conftest import fixture_path
 from mindqwen import QwenForCausalLM
 from mindqwen.models import qwen
-from mindqwen.models.graph import in_mode
+from mindqwen.models.graph import configure, in_mode
 from mindqwen.models.qwen import RandomNormal
 
 SIGMA = 0.02
@@ -124,7 +124,7 @@ def test_compiled_once_layers_give_the_inlined_gradients(lora):
                 apply_lora(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
                 for p in model.trainable_params():  # B ≠ 0, so A has a gradient
                     p.set_data(ms.Tensor(np.random.default_rng(0).normal(0, 0.1, p.shape).astype(np.float32)))
-                model.chunked_loss.rows = 7
+                configure(model, loss_chunk_rows=7)
                 model.set_train(True)
             assert (model.model.layers[0].compiled_once is not None) == share
             loss, grads = ms.value_and_grad(model, None, model.trainable_params())(ids, None, ids)

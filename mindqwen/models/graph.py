@@ -1,11 +1,47 @@
-"""Compiled graphs: keeping MindSpore's cache honest after a Cell tree changes, and running a
-block in a given execution mode."""
+"""Compiled graphs: how a model executes (``configure``), keeping MindSpore's cache honest after a
+Cell tree changes, and running a block in a given execution mode."""
 import contextlib
+import dataclasses
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import mindspore as ms
 from mindspore import nn
+
+from mindqwen.config import ExecutionOptions
+
+
+def configure(model: nn.Cell, **changes) -> ExecutionOptions:
+    """Change how ``model`` executes (fields of ``ExecutionOptions``): the one writer of those
+    settings. The new options are checked, handed to every cell that reads one, and the compiled
+    graphs invalidated once.
+
+    The options of a tree are those of the models in it (``QwenForCausalLM.options``; a fused
+    multimodal model's are its LM's); all of them take the new ones.
+
+    Raises:
+        ConfigError: a value out of range (naming the option); TypeError: an unknown option.
+    """
+    holders = [cell for _, cell in model.cells_and_names() if isinstance(getattr(cell, "options", None),
+                                                                         ExecutionOptions)]
+    options = dataclasses.replace(holders[0].options if holders else ExecutionOptions(), **changes)
+    for holder in holders:
+        holder.options = options
+    apply_options(model, options)
+    invalidate_compiled_graphs(model)
+    return options
+
+
+def apply_options(model: nn.Cell, options: ExecutionOptions) -> None:
+    """Hand ``options`` to every cell of ``model`` that reads one (its ``apply_options``)."""
+    for _, cell in model.cells_and_names():
+        if hasattr(cell, "apply_options"):
+            cell.apply_options(options)
+
+
+def low_dtype(name: Optional[str]):
+    """An ``ExecutionOptions`` dtype name → the MindSpore dtype (None stays None)."""
+    return None if name is None else getattr(ms, name)
 
 
 @contextlib.contextmanager
@@ -24,11 +60,14 @@ def invalidate_compiled_graphs(model: nn.Cell) -> None:
     """Force the next call of ``model`` (or any of its cells) to recompile.
 
     MindSpore keys a Cell's compiled graph by (phase, create_time, id) and reads Python
-    attributes of the tree as compile-time constants: after layer surgery, a merge, or a
-    precision change, the cached graph is stale. ``create_time`` is a read-only property over
-    ``_create_time`` and there is no public reset, so every cell gets a new stamp. Decoder
-    layers that changed get the compiled-once graph of their new signature
-    (``sync_with_weights``).
+    attributes of the tree as compile-time constants: after layer surgery, a merge, or an
+    option change (``configure``), the cached graph is stale. This is mindqwen's one write to a
+    private MindSpore attribute, and why: ``create_time`` is a read-only property over
+    ``_create_time``, MindSpore 2.10 has no public way to drop a Cell's compiled graphs, and the
+    public alternatives fail the user: a new Cell would leave the caller's reference (a notebook's
+    ``model``) running the stale graph, and keying graphs on the options would not cover surgery.
+    So every cell gets a new stamp. Decoder layers that changed get the compiled-once graph of
+    their new signature (``sync_with_weights``).
     """
     stamp = time.time_ns()
     for _, cell in model.cells_and_names():

@@ -23,12 +23,11 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Initializer, initializer
 
-from mindqwen import backend
-from mindqwen.config import QwenConfig
+from mindqwen.config import ExecutionOptions, QwenConfig
 from mindqwen.io import convert, hf
 from mindqwen.io.experts import stack_experts
 from mindqwen.io.safetensors import CheckpointError
-from mindqwen.models.graph import invalidate_compiled_graphs
+from mindqwen.models.graph import apply_options, invalidate_compiled_graphs, low_dtype
 
 # Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
 # then softmaxes to a uniform row instead of NaN.
@@ -100,8 +99,8 @@ def default_use_fused_ops() -> bool:
 class Linear(nn.Cell):
     """y = x·Wᵀ + b with the HF layout ``weight`` [out, in].
 
-    ``compute_dtype`` (set by ``mindqwen.train.precision``) runs the matmul in that dtype and
-    returns the input's dtype, so a fp32 residual stream can use fp16 matmuls (AMP O1).
+    ``compute_dtype`` (``ExecutionOptions``) runs the matmul in that dtype and returns the
+    input's dtype, so a fp32 residual stream can use fp16 matmuls (AMP O1).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype=ms.float32):
@@ -112,6 +111,9 @@ class Linear(nn.Cell):
         self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)  # no transposed copy of the weight
         self.compute_dtype = None
+
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.compute_dtype = low_dtype(options.compute_dtype)
 
     def weights(self) -> tuple:
         return (self.weight,) if self.bias is None else (self.weight, self.bias)
@@ -406,6 +408,9 @@ class ExpertLinear(nn.Cell):
         self.matmul = ops.MatMul(transpose_b=True)
         self.compute_dtype = None  # as Linear's
 
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.compute_dtype = low_dtype(options.compute_dtype)
+
     def construct(self, x):
         """x (E, T, in) → (E, T, out): expert e's tokens through expert e's weight."""
         x3, w = self._cast(x, self.weight)
@@ -470,9 +475,9 @@ class SparseMoeBlock(nn.Cell):
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.moe_capacity_factor
-        # Under semi-auto parallel (set by shard_model) the exact path runs the experts as
-        # (E, N, H) batches too: one shard layout of the stacked weights in every graph; and the
-        # capacity is a multiple of the devices that split an expert group's tokens.
+        # Under semi-auto parallel (ExecutionOptions, set by shard_model) the exact path runs the
+        # experts as (E, N, H) batches too: one shard layout of the stacked weights in every graph;
+        # and the capacity is a multiple of the devices that split an expert group's tokens.
         self.batched = False
         self.capacity_multiple = 1
         self.gate = Router(config.hidden_size, config.num_experts, dtype)
@@ -481,6 +486,9 @@ class SparseMoeBlock(nn.Cell):
         if self.has_shared_expert:
             self.shared_expert = MLP(config, dtype, config.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(config.hidden_size, 1, False, dtype)
+
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.batched, self.capacity_multiple = options.batched_experts, options.capacity_multiple
 
     def construct(self, x):
         """x (B, S, H) → y (B, S, H) and the router logits (B·S, E) fp32."""
@@ -747,9 +755,13 @@ class QwenModel(nn.Cell):
         self.sliding_window = config.sliding_window or 0
         self.hidden_dtype = None
         self.logn_length = config.seq_length if config.use_logn_attn else 0  # the original Qwen
-        # Packed rows: with an EOS id set (``set_document_boundaries``), each document restarts
-        # its positions after an EOS and attends only within itself.
+        # Packed rows: with an EOS id set (``ExecutionOptions.document_eos_id``), each document
+        # restarts its positions after an EOS and attends only within itself.
         self.document_eos_id = None
+
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.hidden_dtype = low_dtype(options.hidden_dtype)
+        self.document_eos_id = options.document_eos_id
 
     def sync_with_weights(self) -> bool:
         """Regroup the layers by signature (``share_layer_graphs``); whether any changed."""
@@ -794,10 +806,16 @@ class QwenModel(nn.Cell):
         return x
 
     def run(self, input_ids, attention_mask=None):
-        """The forward pass with everything it can report: the normed last hidden state
-        (B, S, H), HF's hidden_states tuple, and the router logits of every mixture-of-experts
-        layer (a tuple of (B·S, E) fp32; empty for a dense model). Graph mode drops what the
-        caller does not use."""
+        """The forward pass with everything it can report. Graph mode drops what the caller
+        does not use.
+
+        Returns:
+            ``hidden, hidden_states, router_logits``, unpacked by name at every call site:
+            the normed last hidden state (B, S, H); HF's hidden_states tuple; the router logits
+            of every mixture-of-experts layer (a tuple of (B·S, E) fp32; empty for a dense
+            model). A plain tuple, not a NamedTuple: MindSpore 2.10 builds a NamedTuple in a
+            compiled graph with a Python fallback (PyExecute) that stops the gradient.
+        """
         x, cos, sin, masked, window_masked = self.prepare(input_ids, attention_mask)
         hidden_states, router_logits = (), ()
         for layer in self.layers:
@@ -990,13 +1008,13 @@ class QwenForCausalLM(nn.Cell):
     """
 
     def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None,
-                 compile_once: Optional[bool] = None):
+                 compile_once: Optional[bool] = None, options: Optional[ExecutionOptions] = None):
         """compile_once: compile equal decoder layers once: True, False, None (auto: the layers of
-        a model with frozen weights, in training and forward passes), ``QwenModel.set_compile_once``."""
+        a model with frozen weights, in training and forward passes), ``QwenModel.set_compile_once``.
+        options: how the model executes (precision, document masks, …); later changes go through
+        ``mindqwen.models.graph.configure``."""
         super().__init__()
         self.config = config
-        if ms.get_context("device_target") == "CPU":
-            backend.use_cpu_fusion()  # graph-kernel fusion: half the peak memory (mindqwen.backend)
         if use_fused_ops is None:
             use_fused_ops = default_use_fused_ops()
         self.model = QwenModel(config, dtype, use_fused_ops, compile_once)
@@ -1005,14 +1023,23 @@ class QwenForCausalLM(nn.Cell):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.vocab_size = config.vocab_size
-        # (rows, V) fp32 logit blocks (config.LOSS_CHUNK_ELEMENTS); rows = 0 (set by tensor
-        # parallel, which shards ``head_matmul``) takes the loss over all rows at once.
+        # (rows, V) fp32 logit blocks (config.LOSS_CHUNK_ELEMENTS); rows = 0 (tensor parallel,
+        # which shards ``head_matmul``) takes the loss over all rows at once.
         self.chunked_loss = ChunkedCrossEntropy(config.loss_chunk_rows)
+        self.chunk_head = True  # whether the head is one matrix the chunked loss can take (sync_with_weights)
         # Mixture of experts: the training loss adds HF's load-balancing loss with this weight.
         self.aux_loss_coef = config.router_aux_loss_coef if config.num_experts else 0.0
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.moe_capacity_factor if config.num_experts else None
-        self.capacity_multiple = 1  # SparseMoeBlock's, for the dropped share (set by shard_model)
+        self.capacity_multiple = 1  # SparseMoeBlock's, for the dropped share
+        self.options = options or ExecutionOptions()
+        apply_options(self, self.options)
+
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.capacity_multiple = options.capacity_multiple
+        rows = self.config.loss_chunk_rows if options.loss_chunk_rows is None else options.loss_chunk_rows
+        if rows != self.chunked_loss.rows:
+            self.chunked_loss = type(self.chunked_loss)(rows, self.chunked_loss.weight_grad)
 
     def sync_with_weights(self) -> bool:
         """The chunked loss for which weights train: a model with frozen weights forms its
@@ -1021,9 +1048,13 @@ class QwenForCausalLM(nn.Cell):
         head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         kind = (ChunkedCrossEntropyInForward if any(not p.requires_grad for p in self.get_parameters())
                 else ChunkedCrossEntropy)
-        if type(self.chunked_loss) is kind and self.chunked_loss.weight_grad == head.requires_grad:
+        # An adapter (or a bias) on the head makes its logits more than one matrix product.
+        chunk_head = self.tied or len(self.lm_head.weights()) == 1
+        if (type(self.chunked_loss) is kind and self.chunked_loss.weight_grad == head.requires_grad
+                and self.chunk_head == chunk_head):
             return False
         self.chunked_loss = kind(self.chunked_loss.rows, head.requires_grad)
+        self.chunk_head = chunk_head
         return True
 
     def construct(self, input_ids, attention_mask=None, labels=None):
@@ -1080,12 +1111,12 @@ class QwenForCausalLM(nn.Cell):
 
         h (B, S, H) is sliced before the LM head, so no vocabulary-sized slice (and its gradient)
         is made. The (T, V) fp32 logits are never whole (``ChunkedCrossEntropy``), except under
-        tensor parallel (``chunked_loss.rows`` = 0) or with LoRA on ``lm_head``, where
-        log-softmax and a gather run over all rows at once.
+        tensor parallel (``chunked_loss.rows`` = 0) or with an adapter on ``lm_head``
+        (``chunk_head``), where log-softmax and a gather run over all rows at once.
         """
         shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # (T,)
         count = ops.maximum(ops.reduce_sum((shift_labels != IGNORE_INDEX).astype(ms.float32)), 1.0)
-        if self.chunked_loss.rows and (self.tied or isinstance(self.lm_head, Linear)):
+        if self.chunked_loss.rows and self.chunk_head:
             h2 = h[:, :-1].reshape(-1, h.shape[-1])  # (T, H)
             w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
             if not self.tied and self.lm_head.compute_dtype is not None:  # AMP O1: a low-precision head
@@ -1146,10 +1177,3 @@ class QwenForCausalLM(nn.Cell):
 
 
 from_pretrained = QwenForCausalLM.from_pretrained  # mindqwen.from_pretrained
-
-
-def set_document_boundaries(model: QwenForCausalLM, eos_token_id: Optional[int]) -> None:
-    """Treat every ``eos_token_id`` in a row as the end of a packed document: positions restart
-    after it and attention stays inside each document (None turns it off)."""
-    model.model.document_eos_id = None if eos_token_id is None else int(eos_token_id)
-    invalidate_compiled_graphs(model)

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Deque, List, Optional
 
-from mindqwen.generation import GenerationConfig, Generator, SlotBatch
+from mindqwen.generation import GenerationConfig, Generator
 
 HISTORY = 256  # rows per decode step, kept for /health
 log = logging.getLogger("mindqwen.serve")
@@ -60,7 +60,7 @@ class BatchWorker:
 
     def __init__(self, generator: Generator, max_batch_size: int = 16, max_queue: int = 64):
         self.generator, self.max_batch = generator, max_batch_size
-        self.batch = SlotBatch(generator, max_batch_size)
+        self.batch = generator.batch(max_batch_size)
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self.waiting: Deque[Job] = collections.deque()  # taken from the queue, not yet in a row
         self.batch_sizes: List[int] = []
@@ -132,7 +132,7 @@ class BatchWorker:
             self._hand_out()
             for row in self.batch.active:
                 row.owner.put(e)
-            self.batch = SlotBatch(self.generator, self.max_batch)
+            self.batch = self.generator.batch(self.max_batch)
 
     def _hand_out(self) -> None:
         """Give every row that ended its result (or its error)."""

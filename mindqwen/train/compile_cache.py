@@ -91,14 +91,5 @@ def compile_cache(path: Optional[str]) -> Iterator[None]:
         yield
         return
     _process_folder = path
-    keys = ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)
-    try:
+    with backend.environment(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -19,6 +19,8 @@ from typing import Optional, Tuple
 import mindspore as ms
 from mindspore import nn
 
+from mindqwen.models.graph import configure
+
 # Set by msrun for every worker.
 _LAUNCHER_VARS = ("MS_WORKER_NUM", "MS_ROLE")
 
@@ -65,7 +67,7 @@ class ParallelConfig:
 
 
 def launched_by_msrun() -> bool:
-    return all(v in os.environ for v in _LAUNCHER_VARS) and int(os.environ["MS_WORKER_NUM"]) > 1
+    return all(v in os.environ for v in _LAUNCHER_VARS) and int(os.environ.get("MS_WORKER_NUM")) > 1
 
 
 def init_parallel(parallel: Optional[ParallelConfig] = None) -> Tuple[int, int]:
@@ -135,16 +137,17 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
     - a mixture of experts: the stacked experts' batched matmuls (x (E, C, in), W (E, out, in))
       split by expert into ``expert_parallel`` groups, a group's C tokens over its dp/ep devices
       (C rounded up to a multiple of dp/ep), and within an expert like the MLP; the exact path
-      batched the same way (``SparseMoeBlock.batched``), so every graph slices the weights alike;
+      batched the same way (``ExecutionOptions.batched_experts``), so every graph slices the weights alike;
       the shared expert like the MLP; the routers whole.
     LoRA layers keep the base layer's strategy; their rank must divide by tensor_parallel.
     """
-    from mindqwen.lora import ExpertLoRALayer, LoRALayer
+    from mindqwen.lora import LoraAdapter
     dp, tp, ep = data_parallel, tensor_parallel, expert_parallel
     check_model_layout(model.config, ParallelConfig(dp, tp, expert_parallel=ep))
     column, row = ((dp, 1), (tp, 1)), ((dp, tp), (1, tp))
     expert_column, expert_row = ((ep, dp // ep, 1), (ep, tp, 1)), ((ep, dp // ep, tp), (ep, 1, tp))
-    model.capacity_multiple = dp // ep
+    configure(model, capacity_multiple=dp // ep, batched_experts=model.config.num_experts > 0,
+              loss_chunk_rows=0)  # the loss goes through the sharded head matmul
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         swiglus, linears = [mlp], []
@@ -152,7 +155,6 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
             experts = mlp.experts
             linears = [(experts.gate_proj, expert_column), (experts.up_proj, expert_column),
                        (experts.down_proj, expert_row)]
-            mlp.batched, mlp.capacity_multiple = True, dp // ep
             swiglus = [mlp.shared_expert] if mlp.has_shared_expert else []
             mlp.gate.matmul.shard(((dp, 1), (1, 1)))
             if mlp.has_shared_expert:
@@ -161,14 +163,13 @@ def shard_model(model: nn.Cell, data_parallel: int, tensor_parallel: int, expert
         for m in swiglus:
             linears += [(m.gate_proj, column), (m.up_proj, column), (m.down_proj, row)]
         for linear, strategy in linears:
-            if isinstance(linear, (LoRALayer, ExpertLoRALayer)) and linear.lora_a.shape[-2] % tp:
+            if isinstance(linear, LoraAdapter) and linear.lora_a.shape[-2] % tp:
                 raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {linear.lora_a.shape[-2]}")
             (linear.bmm if len(strategy[0]) == 3 else linear.matmul).shard(strategy)
         attn.bmm_qk.shard(((dp, tp, 1, 1), (dp, tp, 1, 1)))  # (B, KV, n_rep·S, D) · (B, KV, T, D)ᵀ
         attn.bmm_pv.shard(((dp, tp, 1, 1), (dp, tp, 1, 1)))  # (B, KV, n_rep·S, T) · (B, KV, T, D)
     head = model.head_matmul if model.tied else model.lm_head.matmul
     head.shard(column)
-    model.chunked_loss.rows = 0  # the loss goes through the sharded head matmul
 
 
 def assign_pipeline_stages(model: nn.Cell, stages: int) -> None:

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import nn
 
-from mindqwen.lora import ExpertLoRALayer, LoRALayer
-from mindqwen.models.graph import invalidate_compiled_graphs
-from mindqwen.models.qwen import ExpertLinear, Linear, QwenModel
+from mindqwen.models.graph import configure
 
 LEVELS = ("O0", "O1", "O2", "O3")
 LOW_DTYPES = {"float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -71,19 +69,15 @@ def check_device_support(config: PrecisionConfig, device_target: str) -> None:
 
 
 def apply_precision(model: nn.Cell, config: PrecisionConfig) -> None:
-    """Set the compute dtypes of ``model``'s cells for ``config.level`` (O3 also casts params)."""
+    """Run ``model``'s matmuls (and, O2/O3, its residual stream) in ``config``'s dtype; O3 also
+    casts the fp32 parameters."""
     check_device_support(config, ms.get_context("device_target"))
-    low = LOW_DTYPES[config.dtype] if config.level != "O0" else None
-    for _, cell in model.cells_and_names():
-        if isinstance(cell, (Linear, LoRALayer, ExpertLinear, ExpertLoRALayer)):
-            cell.compute_dtype = low
-        elif isinstance(cell, QwenModel):
-            cell.hidden_dtype = low if config.level in ("O2", "O3") else None
+    low = config.dtype if config.level != "O0" else None
+    configure(model, compute_dtype=low, hidden_dtype=low if config.level in ("O2", "O3") else None)
     if config.level == "O3":
         for p in model.get_parameters():
             if p.dtype == ms.float32:
-                p.set_data(p.astype(low))
-    invalidate_compiled_graphs(model)
+                p.set_data(p.astype(LOW_DTYPES[low]))
 
 
 def make_loss_scaler(config: PrecisionConfig) -> ms.amp.DynamicLossScaler:

@@ -70,7 +70,7 @@ class ModelSection:
 
 @dataclass
 class SyntheticSection:
-    """The demo's self-made data (``mindqwen.data.synthetic``), written to ``<output_dir>/data``
+    """The demo's self-made data (``mindqwen.demos.letters``), written to ``<output_dir>/data``
     with a SentencePiece tokenizer trained on it.
 
     Attributes:
@@ -246,7 +246,7 @@ class ServeSection:
 
 @dataclass
 class ShapesSection:
-    """The multimodal demo's self-made image-caption data (``mindqwen.multimodal.synthetic``),
+    """The multimodal demo's self-made image-caption data (``mindqwen.demos.shapes``),
     written as PNG files and JSONL to ``<output_dir>/data`` and read back like a user's data.
 
     Attributes:

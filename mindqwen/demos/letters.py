@@ -8,6 +8,7 @@ that no training question uses, so they test the skill, not memory.
 """
 from __future__ import annotations
 
+import os
 import random
 import string
 from dataclasses import dataclass
@@ -64,3 +65,26 @@ def make_demo_data(seed: int = 0, pretrain_examples: int = 6000, train_examples:
     train, held_out = ([_question(rng.choice(list(TASKS)), letters, rng.random() < 0.5) for letters in split]
                        for split in (train_letters, eval_letters))
     return DemoData(pretrain, train, held_out)
+
+
+def write_letters(section, folder: str) -> Dict[str, str]:
+    """Write the demo's three splits (``folder/{pretrain,train,eval}.jsonl``) and a SentencePiece
+    tokenizer trained on them (``folder/tokenizer.model``), as a user would bring them.
+
+    Args:
+        section: a recipe's ``data.synthetic`` (seed, split sizes, alphabet, vocab_size).
+
+    Returns:
+        The paths, by ``data`` key: train, eval, pretrain, tokenizer.
+    """
+    from mindqwen.data.instruct import write_pairs
+    from mindqwen.data.tokenizer import train_sentencepiece
+    demo = make_demo_data(section.seed, section.pretrain_examples, section.train_examples, section.eval_examples,
+                          section.alphabet)
+    os.makedirs(folder, exist_ok=True)
+    paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("pretrain", "train", "eval")}
+    for name, pairs in (("pretrain", demo.pretrain), ("train", demo.train), ("eval", demo.eval)):
+        write_pairs(pairs, paths[name])
+    paths["tokenizer"] = os.path.join(folder, "tokenizer.model")
+    train_sentencepiece([p + r for p, r in demo.pretrain + demo.train], paths["tokenizer"], section.vocab_size)
+    return paths
