@@ -352,10 +352,12 @@ def cmd_preprocess(argv: List[str]) -> None:
                                              "{\"instruction\", \"input\", \"output\"} / {\"prompt\", \"response\"} (--kind sft)")
     p.add_argument("--output", required=True, help="folder to create: input_ids.npy, labels.npy, manifest.json")
     p.add_argument("--tokenizer", required=True, help="Qwen HF folder, qwen.tiktoken, or SentencePiece .model")
-    p.add_argument("--kind", default="text", choices=["text", "sft"])
+    p.add_argument("--kind", default="text", choices=["text", "sft", "preference"],
+                   help="preference: chosen / rejected pairs (docs/training.md), rows [pairs, 2, seq_length]")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--template", default="qwen2.5", choices=["qwen2.5", "qwen3"], help="chat template (sft)")
+    p.add_argument("--template", default="qwen2.5", choices=["qwen2.5", "qwen3", "none"],
+                   help="chat template (sft, preference; none: plain text and EOS, preference only)")
     p.add_argument("--train-on", default="assistant", choices=["assistant", "last", "all"], help="loss mask (sft)")
     p.add_argument("--skip-bad", action="store_true", help="skip malformed records (counted) instead of stopping")
     args = p.parse_args(argv)

@@ -96,9 +96,12 @@ def test_every_recipe_key_is_documented():
         demo = f.read()  # the reference recipe lists and comments every key
     with open(os.path.join(ROOT, "recipes", "multimodal", "shapes.yaml"), encoding="utf-8") as f:
         shapes = f.read()  # the multimodal sections' reference recipe
+    with open(os.path.join(ROOT, "recipes", "demo", "preference.yaml"), encoding="utf-8") as f:
+        preference = f.read()  # the preference section's reference recipe
     multimodal = recipe_module.sections(recipe_module.MultimodalSection)
     for cls in recipe_module.sections()[1:]:
-        reference, name = (shapes, "multimodal/shapes") if cls in multimodal else (demo, "demo/demo")
+        reference, name = ((shapes, "multimodal/shapes") if cls in multimodal else
+                           (preference, "demo/preference") if cls is recipe_module.PreferenceConfig else (demo, "demo/demo"))
         for field in dataclasses.fields(cls):
             if field.init:
                 assert f"`{field.name}`" in doc, f"{cls.__name__}.{field.name} is not in docs/recipes.md"

@@ -22,17 +22,21 @@ class TokenDataset:
 
     A batch is the tuple (input_ids, labels) or, with ``pixel_values`` (image-text rows for a
     multimodal model), (input_ids, labels, pixel_values): the order the loss network takes them.
+    Preference pairs hold two rows per example, (N, 2, S): the chosen, then the rejected; with
+    ``reference_logps`` a batch is (input_ids, labels, reference_logps).
     """
 
-    input_ids: np.ndarray  # (N, S) int
-    labels: Optional[np.ndarray] = None  # (N, S) int, -100 = no loss
+    input_ids: np.ndarray  # (N, S) int, or (N, 2, S) for preference pairs
+    labels: Optional[np.ndarray] = None  # as input_ids, -100 = no loss
     pixel_values: Optional[np.ndarray] = None  # (N, 3, H, W) or (N, T, 3, H, W) float32
+    reference_logps: Optional[np.ndarray] = None  # (N, 2) float32: a pair's reference log-probs
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids)
-        if self.input_ids.ndim != 2 or not np.issubdtype(self.input_ids.dtype, np.integer):
-            raise ValueError(f"input_ids must be an integer array [examples, seq_len], got "
-                             f"{self.input_ids.dtype} {self.input_ids.shape}")
+        if self.input_ids.ndim not in (2, 3) or not np.issubdtype(self.input_ids.dtype, np.integer) or (
+                self.input_ids.ndim == 3 and self.input_ids.shape[1] != 2):
+            raise ValueError(f"input_ids must be an integer array [examples, seq_len] (or [pairs, 2, seq_len]), "
+                             f"got {self.input_ids.dtype} {self.input_ids.shape}")
         if self.labels is None:
             self.labels = self.input_ids
         self.labels = np.asarray(self.labels)
@@ -40,18 +44,32 @@ class TokenDataset:
             raise ValueError(f"labels shape {self.labels.shape} != input_ids shape {self.input_ids.shape}")
         if self.pixel_values is not None and len(self.pixel_values) != len(self.input_ids):
             raise ValueError(f"{len(self.pixel_values)} pixel_values rows for {len(self.input_ids)} token rows")
+        if self.reference_logps is not None and np.shape(self.reference_logps) != (len(self.input_ids), 2):
+            raise ValueError(f"reference_logps must be [pairs, 2], got {np.shape(self.reference_logps)} for "
+                             f"{len(self.input_ids)} pairs")
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the examples are preference pairs (chosen, rejected)."""
+        return self.input_ids.ndim == 3
+
+    @property
+    def tokens_per_example(self) -> int:
+        return int(np.prod(self.input_ids.shape[1:]))
 
     @property
     def columns(self) -> List[str]:
         """Names of a batch's arrays, in order."""
-        return ["input_ids", "labels"] + (["pixel_values"] if self.pixel_values is not None else [])
+        extra = [name for name in ("pixel_values", "reference_logps") if getattr(self, name) is not None]
+        return ["input_ids", "labels"] + extra
 
     def rows(self, index: np.ndarray) -> Tuple[np.ndarray, ...]:
-        """The examples at ``index`` as a batch: int32 token arrays (and float32 pixels)."""
+        """The examples at ``index`` as a batch: int32 token arrays (and float32 pixels, reference log-probs)."""
         batch = (self.input_ids[index].astype(np.int32), self.labels[index].astype(np.int32))
-        if self.pixel_values is None:
-            return batch
-        return batch + (np.asarray(self.pixel_values[index], np.float32),)
+        for extra in (self.pixel_values, self.reference_logps):
+            if extra is not None:
+                batch = batch + (np.asarray(extra[index], np.float32),)
+        return batch
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -9,6 +9,9 @@ Two kinds of input, one record per line (or per element of a ``.json`` array):
     ``{"prompt", "response"}`` (raw text, no template); conversations are packed whole, first fit in
     input order, longer ones truncated to ``seq_length`` (and counted); loss only where
     ``train_on`` says.
+  - preference: chosen / rejected pairs in any form ``mindqwen.data.preference`` reads, one pair
+    per (2, ``seq_length``) row pair, loss on the responses (one process; ``template`` none: plain
+    text and EOS).
 
 Workers tokenize chunks of lines; results are reassembled in input order, so the output is
 byte-identical for any worker count. Files are written to a temporary folder and renamed:
@@ -32,7 +35,7 @@ from mindqwen.data.tokenizer import load_tokenizer
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.textfile import iter_lines
 
-KINDS = ("text", "sft")
+KINDS = ("text", "sft", "preference")
 CHUNK = 256  # lines per worker task
 
 
@@ -173,6 +176,8 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: str, seq_length: i
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if seq_length < 2 or workers < 1:
         raise ValueError("seq_length must be >= 2 and workers >= 1")
+    if kind == "preference":
+        return _preprocess_pairs(inputs, output, tokenizer, seq_length, template, skip_bad)
     lines = _read_lines(inputs)
     chunks = [lines[i:i + CHUNK] for i in range(0, len(lines), CHUNK)]
     init = (tokenizer, kind, template, train_on)
@@ -200,6 +205,26 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: str, seq_length: i
     _write(output, ids, labels, {"kind": kind, "seq_length": seq_length, "tokenizer": tokenizer,
                                  "tokenizer_sha256": tokenizer_hash(tokenizer), "template": template,
                                  "train_on": train_on, "inputs": list(inputs), **asdict(summary)})
+    return summary
+
+
+def _preprocess_pairs(inputs: Sequence[str], output: str, tokenizer: str, seq_length: int, template: Optional[str],
+                      skip_bad: bool) -> Summary:
+    """``preprocess`` of preference pairs: (N, 2, seq_length) rows, chosen then rejected."""
+    from mindqwen.data.preference import encode_pairs, read_pairs
+    tok, template = load_tokenizer(tokenizer), None if template in (None, "none") else template
+    parts, summary = [], Summary()
+    for path in inputs:
+        data, dropped = encode_pairs(read_pairs(path), tok, seq_length, template, skip_bad, path)
+        parts.append(data)
+        summary.skipped += dropped
+    ids, labels = (np.concatenate([getattr(d, k) for d in parts]) for k in ("input_ids", "labels"))
+    summary.documents, summary.rows = len(ids), len(ids)
+    summary.tokens = int((ids != tok.pad_token_id).sum())
+    summary.padding_fraction = 1 - summary.tokens / ids.size
+    _write(output, ids, labels, {"kind": "preference", "seq_length": seq_length, "tokenizer": tokenizer,
+                                 "tokenizer_sha256": tokenizer_hash(tokenizer), "template": template,
+                                 "inputs": list(inputs), **asdict(summary)})
     return summary
 
 

@@ -228,7 +228,8 @@ class SentencePieceTokenizer:
         return [p.id for p in pieces], starts.tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        """Text of ``ids``; ids past the pieces (a model's padded vocabulary rows) decode to nothing."""
+        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
 class ByteTokenizer:

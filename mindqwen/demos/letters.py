@@ -8,6 +8,7 @@ that no training question uses, so they test the skill, not memory.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import string
@@ -87,4 +88,43 @@ def write_letters(section, folder: str) -> Dict[str, str]:
         write_pairs(pairs, paths[name])
     paths["tokenizer"] = os.path.join(folder, "tokenizer.model")
     train_sentencepiece([p + r for p, r in demo.pretrain + demo.train], paths["tokenizer"], section.vocab_size)
+    return paths
+
+
+def near_miss(answer: str, rng: random.Random, alphabet: int = 26) -> str:
+    """The answer with the mistakes a small model makes: one letter dropped, repeated or replaced
+    by another (" K Q Z" → " K Z", " K Q Q Z", " K J Z"); what a preference stage trains away."""
+    letters = answer.split()
+    i = rng.randrange(len(letters))
+    kind = rng.choice(("drop", "repeat", "replace") if len(letters) > 1 else ("repeat", "replace"))
+    if kind == "drop":
+        del letters[i]
+    elif kind == "repeat":
+        letters.insert(i, letters[i])
+    else:
+        letters[i] = rng.choice([c for c in string.ascii_uppercase[:alphabet] if c != letters[i]])
+    return " " + " ".join(letters)
+
+
+def write_letter_pairs(section, folder: str) -> Dict[str, str]:
+    """The demo's questions as preference pairs (``folder/{train,eval}.jsonl``: prompt, the right
+    answer chosen, a near miss rejected: ``near_miss``), for the model the letters demo trained.
+
+    Args:
+        section: a recipe's ``data.synthetic`` (the seed, split sizes and alphabet of that run).
+
+    Returns:
+        The paths, by ``data`` key: train, eval.
+    """
+    demo = make_demo_data(section.seed, section.pretrain_examples, section.train_examples, section.eval_examples,
+                          section.alphabet)
+    rng = random.Random(section.seed + 1)
+    os.makedirs(folder, exist_ok=True)
+    paths = {}
+    for name, pairs in (("train", demo.train), ("eval", demo.eval)):
+        paths[name] = os.path.join(folder, f"{name}.jsonl")
+        with open(paths[name], "w", encoding="utf-8") as f:
+            for prompt, answer in pairs:
+                record = {"prompt": prompt, "chosen": answer, "rejected": near_miss(answer, rng, section.alphabet)}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return paths

@@ -935,17 +935,19 @@ class _LogitBlocks(nn.Cell):
 
 
 def _block(hc, w, labels, dout):
-    """One block: hc (r, H), labels (r,) → dh (r, H) fp32, c·p (r, V), the safe labels (r, 1),
-    c (r, 1), and the block's summed loss (one logits matmul for all of them)."""
+    """One block: hc (r, H), labels (r,), dout (scalar or (r, 1)) → dh (r, H) fp32, c·p (r, V),
+    the safe labels (r, 1), c (r, 1), and the labels' log-probs (r, 1), 0 where ignored (one
+    logits matmul for all of them). dh is the gradient of −Σ dout·log p(label)."""
     lab = labels.reshape(-1, 1)
     keep = (lab != IGNORE_INDEX).astype(ms.int32)
     safe = lab * keep  # ignored rows point at row 0 with a zero coefficient
     coef = keep.astype(ms.float32) * dout  # (r, 1)
     log_probs = ops.log_softmax(_MATMUL_NT(hc, w).astype(ms.float32), -1)  # (r, V)
-    loss = -ops.reduce_sum(ops.gather_elements(log_probs, 1, safe) * keep.astype(ms.float32))
+    label_log_probs = ops.gather_elements(log_probs, 1, safe) * keep.astype(ms.float32)
     probs = ops.exp(log_probs) * coef  # (r, V)
     rows_w = ops.gather(w, safe.reshape(-1), 0).astype(ms.float32)  # (r, H): W[label]
-    return _MATMUL_NN(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w, probs, safe, coef, loss
+    dh = _MATMUL_NN(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w
+    return dh, probs, safe, coef, label_log_probs
 
 
 class ChunkedCrossEntropy(_LogitBlocks):
@@ -987,8 +989,9 @@ class ChunkedCrossEntropyInForward(_LogitBlocks):
         total, dh, dw = ops.zeros((), ms.float32), (), ops.zeros(w.shape, ms.float32)
         for start in range(0, h.shape[0], self.rows):  # ChunkedCrossEntropy.bprop's with dout 1
             hc = hs[start:start + self.rows]  # (r, H)
-            dh_c, probs, safe, coef, loss = _block(hc, ws, labels[start:start + self.rows], ops.ones((), ms.float32))
-            total, dh = total + loss, dh + (dh_c,)
+            dh_c, probs, safe, coef, log_probs = _block(hc, ws, labels[start:start + self.rows],
+                                                        ops.ones((), ms.float32))
+            total, dh = total - ops.reduce_sum(log_probs), dh + (dh_c,)
             if self.weight_grad:
                 dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
                 dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
@@ -997,6 +1000,58 @@ class ChunkedCrossEntropyInForward(_LogitBlocks):
         if self.weight_grad:
             total = total + ops.reduce_sum((w - ws).astype(ms.float32) * dw.astype(ms.float32))
         return total
+
+
+class _TokenLogProbs(_LogitBlocks):
+    """Each labelled token's log-probability (T,) fp32 (0 where ignored), from the logits h·Wᵀ
+    taken ``rows`` rows at a time: the log-probs of sequences, for preference losses."""
+
+    def token_values(self, h, w, labels):
+        """h (T, H); w (V, H); labels (T,) → log p(label) (T,) fp32, 0 where ignored."""
+        pieces = ()
+        for start in range(0, h.shape[0], self.rows):  # unrolled: T is static; slices clip at T
+            logits = _MATMUL_NT(h[start:start + self.rows], w).astype(ms.float32)  # (r, V)
+            pieces = pieces + (_label_log_probs(logits, labels[start:start + self.rows]).reshape(-1),)
+        return ops.cat(pieces, 0)
+
+
+class TokenLogProbs(_TokenLogProbs):
+    """``_TokenLogProbs`` with its own backward: for a per-token dout (T,) it forms the gradients
+    of Σ dout·log p block by block, recomputing each block's softmax (``_LogitBlocks``, with
+    c = −dout)."""
+
+    def construct(self, h, w, labels):
+        return self.token_values(h, w, labels)
+
+    def bprop(self, h, w, labels, out, dout):
+        # written out as ChunkedCrossEntropy.bprop's (a bprop cannot call a loop in MindSpore 2.10)
+        dh, dw = (), ops.zeros(w.shape, ms.float32)
+        for start in range(0, h.shape[0], self.rows):
+            hc = h[start:start + self.rows]  # (r, H)
+            dh_c, probs, safe, coef, _ = _block(hc, w, labels[start:start + self.rows],
+                                                -dout[start:start + self.rows].reshape(-1, 1))
+            dh = dh + (dh_c.astype(h.dtype),)
+            dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
+            dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
+        return ops.cat(dh, 0), dw.astype(w.dtype), labels * 0
+
+
+class TokenLogProbsInForward(_TokenLogProbs):
+    """``_TokenLogProbs`` whose training forward forms each token's gradient g_t = ∂log p_t/∂h_t
+    (T, H) and returns log p + Σ_k (h − stop_gradient(h))·g: the value to the last bit, the
+    gradient w.r.t. h exact for any function of the log-probs. For models with frozen weights
+    (see ``ChunkedCrossEntropyInForward``); the head must be frozen (no dW is formed)."""
+
+    def construct(self, h, w, labels):
+        if not self.training:
+            return self.token_values(h, w, labels)
+        hs, ws = ops.stop_gradient(h), ops.stop_gradient(w)
+        values, grads = (), ()
+        for start in range(0, h.shape[0], self.rows):
+            dh_c, _, _, _, log_probs = _block(hs[start:start + self.rows], ws, labels[start:start + self.rows],
+                                              -ops.ones((), ms.float32))
+            values, grads = values + (log_probs.reshape(-1),), grads + (dh_c,)
+        return ops.cat(values, 0) + ops.reduce_sum((h - hs).astype(ms.float32) * ops.cat(grads, 0), -1)
 
 
 class QwenForCausalLM(nn.Cell):
@@ -1026,6 +1081,9 @@ class QwenForCausalLM(nn.Cell):
         # (rows, V) fp32 logit blocks (config.LOSS_CHUNK_ELEMENTS); rows = 0 (tensor parallel,
         # which shards ``head_matmul``) takes the loss over all rows at once.
         self.chunked_loss = ChunkedCrossEntropy(config.loss_chunk_rows)
+        # Per-token log-probs by the same blocks (preference losses); None: with frozen weights
+        # and a trained head, which only the whole-logits path differentiates.
+        self.token_logps = TokenLogProbs(config.loss_chunk_rows)
         self.chunk_head = True  # whether the head is one matrix the chunked loss can take (sync_with_weights)
         # Mixture of experts: the training loss adds HF's load-balancing loss with this weight.
         self.aux_loss_coef = config.router_aux_loss_coef if config.num_experts else 0.0
@@ -1040,20 +1098,24 @@ class QwenForCausalLM(nn.Cell):
         rows = self.config.loss_chunk_rows if options.loss_chunk_rows is None else options.loss_chunk_rows
         if rows != self.chunked_loss.rows:
             self.chunked_loss = type(self.chunked_loss)(rows, self.chunked_loss.weight_grad)
+            if self.token_logps is not None:
+                self.token_logps = type(self.token_logps)(rows)
 
     def sync_with_weights(self) -> bool:
         """The chunked loss for which weights train: a model with frozen weights forms its
         gradients in the forward (``ChunkedCrossEntropyInForward``), and dW only for a trained
         head. Whether it changed."""
         head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        kind = (ChunkedCrossEntropyInForward if any(not p.requires_grad for p in self.get_parameters())
-                else ChunkedCrossEntropy)
+        frozen = any(not p.requires_grad for p in self.get_parameters())
+        kind = ChunkedCrossEntropyInForward if frozen else ChunkedCrossEntropy
+        token_kind = None if frozen and head.requires_grad else TokenLogProbsInForward if frozen else TokenLogProbs
         # An adapter (or a bias) on the head makes its logits more than one matrix product.
         chunk_head = self.tied or len(self.lm_head.weights()) == 1
         if (type(self.chunked_loss) is kind and self.chunked_loss.weight_grad == head.requires_grad
-                and self.chunk_head == chunk_head):
+                and self.chunk_head == chunk_head and type(self.token_logps) is token_kind):
             return False
         self.chunked_loss = kind(self.chunked_loss.rows, head.requires_grad)
+        self.token_logps = token_kind(self.chunked_loss.rows) if token_kind else None
         self.chunk_head = chunk_head
         return True
 
@@ -1117,13 +1179,34 @@ class QwenForCausalLM(nn.Cell):
         shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # (T,)
         count = ops.maximum(ops.reduce_sum((shift_labels != IGNORE_INDEX).astype(ms.float32)), 1.0)
         if self.chunked_loss.rows and self.chunk_head:
-            h2 = h[:, :-1].reshape(-1, h.shape[-1])  # (T, H)
-            w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-            if not self.tied and self.lm_head.compute_dtype is not None:  # AMP O1: a low-precision head
-                h2, w = h2.astype(self.lm_head.compute_dtype), w.astype(self.lm_head.compute_dtype)
-            return self.chunked_loss(h2, w, shift_labels) / count
+            return self.chunked_loss(*self._head_operands(h), shift_labels) / count
         shift_logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
         return -ops.reduce_sum(_label_log_probs(shift_logits, shift_labels)) / count
+
+    def token_log_probs(self, input_ids, labels, differentiable: bool = True):
+        """Each labelled next token's log-probability: input_ids, labels (R, S) → (R, S−1) fp32,
+        at t the log p of labels[:, t+1] (HF shift), 0 where it is -100. Taken block by block
+        (``TokenLogProbs``) as the loss is, so the (R, S, V) logits are never whole;
+        ``differentiable=False`` forms no gradient (a reference model's pass)."""
+        h, _, _ = self.model.run(input_ids, None)
+        shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # (T,)
+        if self.chunked_loss.rows and self.chunk_head and self.token_logps is not None:
+            h2, w = self._head_operands(h)
+            values = (self.token_logps(h2, w, shift_labels) if differentiable
+                      else self.token_logps.token_values(h2, w, shift_labels))
+        else:
+            logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
+            values = _label_log_probs(logits, shift_labels).reshape(-1)
+        return values.reshape(input_ids.shape[0], -1)
+
+    def _head_operands(self, h):
+        """h (B, S, H) → the rows that predict a next token, h[:, :-1] (T, H), and the head matrix
+        W (V, H), in the head's compute dtype (AMP O1: a low-precision head)."""
+        h2 = h[:, :-1].reshape(-1, h.shape[-1])
+        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        if not self.tied and self.lm_head.compute_dtype is not None:
+            h2, w = h2.astype(self.lm_head.compute_dtype), w.astype(self.lm_head.compute_dtype)
+        return h2, w
 
     @classmethod
     def from_pretrained(cls, folder: str, dtype: str = "float32", allow_non_finite: bool = False,

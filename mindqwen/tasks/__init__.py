@@ -7,7 +7,7 @@ writes the deployable graphs. The command line (``train``, ``validate``, ``expor
 ``serve``) asks :func:`task_for` once and calls the task; nothing else branches on the kind.
 
 The kind follows the recipe's own section: a recipe with a ``multimodal`` section is a multimodal
-task, one without is a causal LM. A new kind is a module here with its class, a section in
+task, one with ``preference`` a preference task, one with neither a causal LM. A new kind is a module here with its class, a section in
 ``mindqwen.train.recipe.Recipe`` and a line in ``TASKS``.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mindqwen.train.recipe import Recipe, RecipeError, load_recipe
 TASKS: Dict[str, Tuple[str, str, Optional[str]]] = {
     "causal_lm": ("mindqwen.tasks.causal_lm", "CausalLMTask", None),
     "multimodal": ("mindqwen.tasks.multimodal", "MultimodalTask", "multimodal"),
+    "preference": ("mindqwen.tasks.preference", "PreferenceTask", "preference"),
 }
 
 

@@ -45,13 +45,18 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
 
     Args:
         loss_net: takes a batch (``TokenDataset.rows``) and returns the loss; default
-            ``model(input_ids, None, labels)``. A multimodal model trains with its caption loss
-            over (input_ids, labels, pixel_values).
+            ``model(input_ids, None, labels)``, or for preference pairs (``train_data.pairs``)
+            ``PreferenceLoss`` with its defaults (sigmoid DPO, β 0.1; the reference: the
+            adapters off, or the data's ``reference_logps``). A multimodal model trains with its
+            caption loss over (input_ids, labels, pixel_values).
 
     Raises:
         TrainingDiverged: see ``divergence`` (docs/training.md, "Divergence").
     """
     pipeline = parallel is not None and parallel.pipeline_parallel > 1
+    if loss_net is None and train_data.pairs:
+        from mindqwen.preference import default_preference_loss
+        loss_net = default_preference_loss(model, train_data)
     with in_mode(ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE):
         return _fit(model, train_data, config, eval_data, recipe_text, parallel,
                     loss_net or CausalLMLoss(model, report=not pipeline))
@@ -67,7 +72,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     if parallel.model_parallel:  # each rank holds, and saves, its slice of the model
         config = replace(config, output_dir=setup_model_parallel(model, parallel, config.output_dir, rank))
         main, rank, world = True, 0, 1  # every rank reads the whole global batch (full_batch)
-    apply_precision(model, config.precision)
+    apply_precision(loss_net, config.precision)  # the model, and a reference model beside it
     apply_recompute(model, config.recompute, config.recompute_every)
     schedule = WarmupSchedule(config.schedule, config.lr, config.max_steps, config.warmup_steps, config.min_lr)
     optimizer = make_optimizer(model.trainable_params(), schedule, config.weight_decay,
@@ -90,7 +95,7 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
     loader = BatchLoader(train_data, mb * config.gradient_accumulation, config.seed, config.shuffle, rank, world)
     log = MetricsLog(config.output_dir, start, enabled=main,
                      tensorboard=os.path.join(config.output_dir, "tensorboard") if config.tensorboard else None)
-    tokens = mb * config.gradient_accumulation * train_data.input_ids.shape[1]  # per rank and step
+    tokens = mb * config.gradient_accumulation * train_data.tokens_per_example  # per rank and step
     step_flops, peak_flops = _flops(model, train_data, tokens)
     cache = _cache_folder(config, model, train_data, eval_data, world, parallel, loss_net)
     streak = updated = 0  # overflowed steps in a row; steps of this run that updated the model
@@ -119,7 +124,8 @@ def _fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig, eval_d
                 record["eval_loss"] = evaluate(loss_net, eval_data, mb, config.eval_batches)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
             log.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            shown = {"acc": f"{record['rewards/accuracies']:.2f}"} if "rewards/accuracies" in record else {}
+            bar.set_postfix(loss=f"{loss:.4f}", **shown, lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             if main and _due(step + 1, config.save_every, last):
                 state.update(step=step + 1, data_step=step + 1, metrics=record)
                 try:
@@ -162,7 +168,7 @@ def _flops(model: nn.Cell, train_data: TokenDataset, tokens: int) -> tuple:
     if not isinstance(model, QwenForCausalLM):
         return None, None
     trainable = sum(p.size for p in model.trainable_params()) / sum(p.size for p in model.get_parameters())
-    step_flops = train_flops_per_token(model.config, train_data.input_ids.shape[1], trainable) * tokens
+    step_flops = train_flops_per_token(model.config, train_data.input_ids.shape[-1], trainable) * tokens
     return step_flops, measure_matmul_peak_gflops() * 1e9
 
 
@@ -225,8 +231,9 @@ def evaluate(model: nn.Cell, data: TokenDataset, batch_size: int, max_batches: i
     n = loader.steps_per_epoch if max_batches <= 0 else min(max_batches, loader.steps_per_epoch)
     loss_net.set_train(False)
     reports = bool(reported_names(loss_net))
+    prepare = getattr(loss_net, "prepare", lambda batch: batch)  # inputs the loss adds (see Stepper)
     losses = [float((out[0] if reports else out).asnumpy())
-              for out in (loss_net(*map(ms.Tensor, batch)) for batch in loader.iterate(0, n))]
+              for out in (loss_net(*prepare(tuple(map(ms.Tensor, batch)))) for batch in loader.iterate(0, n))]
     loss_net.set_train(True)
     return float(np.mean(losses))
 

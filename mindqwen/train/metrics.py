@@ -133,7 +133,8 @@ class MetricsLog:
 
 
 def plot_loss_curve(records: List[dict], path: str) -> Optional[str]:
-    """Write the training (and validation) loss curve as a PNG; None if matplotlib is absent."""
+    """Write the training (and validation) loss curve as a PNG, with the reward accuracy of
+    preference tuning; None if matplotlib is absent."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -150,7 +151,14 @@ def plot_loss_curve(records: List[dict], path: str) -> Optional[str]:
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    accuracy = [(r["step"], r["rewards/accuracies"]) for r in records if "rewards/accuracies" in r]
+    if accuracy:  # preference tuning: the share of pairs whose chosen reward is the larger, on its own axis
+        twin = ax.twinx()
+        twin.plot(*zip(*accuracy), color="tab:green", alpha=0.6, label="rewards/accuracies")
+        twin.set_ylim(0, 1.05)
+        twin.set_ylabel("reward accuracy")
+        twin.legend(loc="upper right")
     with atomic_file(path, ".png") as tmp:  # matplotlib picks the format by the suffix
         fig.savefig(tmp, dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -26,11 +26,15 @@ def model_config(section: ModelSection, vocab_size: Optional[int] = None) -> Qwe
 
 
 def build_model(section: ModelSection, vocab_size: Optional[int] = None) -> QwenForCausalLM:
-    """From an HF checkpoint, or random weights of ``model_config(section, vocab_size)``."""
+    """From an HF checkpoint, or random weights of ``model_config(section, vocab_size)``; with
+    ``section.adapter`` merged in."""
     if section.checkpoint:
         model = QwenForCausalLM.from_pretrained(section.checkpoint, section.dtype, **section.config)
     else:
         model = QwenForCausalLM(model_config(section, vocab_size), getattr(ms, section.dtype))
+    if section.adapter:
+        from mindqwen.lora import load_adapter, merge_and_unload
+        model = merge_and_unload(load_adapter(model, section.adapter))
     if section.compile_once is not None:
         model.model.set_compile_once(section.compile_once)
     return model

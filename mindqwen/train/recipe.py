@@ -25,6 +25,7 @@ from mindqwen.generation import GenerationConfig, OutputFilter
 from mindqwen.lora import LoraConfig
 from mindqwen.multimodal.fusion import MultimodalLoraConfig
 from mindqwen.multimodal.vision import VisionConfig
+from mindqwen.preference import PreferenceConfig
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.distributed import ParallelConfig
 from mindqwen.train.optim import SCHEDULES
@@ -55,6 +56,8 @@ class ModelSection:
             (``QwenModel.set_compile_once``): null (auto) for LoRA's training layers, true for
             every layer and the KV-cache step too (the first token sooner, decoding slower),
             false for none.
+        adapter: a PEFT adapter folder merged into the checkpoint's weights when it loads (the
+            LoRA of an earlier stage, e.g. SFT before preference tuning).
     """
 
     checkpoint: Optional[str] = None
@@ -62,6 +65,7 @@ class ModelSection:
     config: Dict[str, Any] = field(default_factory=dict, metadata={"schema": QwenConfig})
     dtype: str = "float32"
     compile_once: Optional[bool] = None
+    adapter: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -311,6 +315,7 @@ class Recipe:
     generation: GenerationSection = field(default_factory=GenerationSection)
     serve: ServeSection = field(default_factory=ServeSection)
     multimodal: Optional[MultimodalSection] = None
+    preference: Optional[PreferenceConfig] = None
 
 
 # ---------------------------------------------------------------------------- loading

@@ -203,6 +203,8 @@ class Stepper:
         model: the network (``model(ids, None, labels)`` returns the loss).
         loss_net: what the batches feed, returning the loss (default ``CausalLMLoss(model)``:
             batches of (input_ids, labels)); e.g. a multimodal loss over (ids, pixels, labels).
+            One with a ``prepare(batch)`` method has it add inputs to each batch on the host
+            before the step (the reference log-probs of ``PreferenceLoss``), in the timed step.
         optimizer: over the trainable parameters.
         scaler: loss scaler (scale 1 and ``dynamic_scaling=False`` outside fp16).
         micro_batches: gradient accumulation factor.
@@ -226,6 +228,7 @@ class Stepper:
         else:
             reducer = nn.DistributedGradReducer(optimizer.parameters, mean=True, degree=world) if world > 1 else None
         loss_net = loss_net or CausalLMLoss(model)
+        self.prepare = getattr(loss_net, "prepare", None)  # host-side inputs the loss adds to a batch
         self.reported_names = reported_names(loss_net)
         self.reported = {}  # the last step's reported values (micro-batch means), e.g. aux_loss
         grad_step = GradStep(loss_net, optimizer, scaler, world, pipeline)
@@ -243,6 +246,8 @@ class Stepper:
     def __call__(self, batches):
         """batches: ``micro_batches`` Tensor tuples (default (input_ids, labels)) → (mean loss, finite, norm);
         the loss network's reported values land in ``self.reported``."""
+        if self.prepare is not None:
+            batches = [self.prepare(batch) for batch in batches]
         if self.micro_batches == 1:
             batch, = batches
             loss, finite, norm, reported = self.step(*batch)
