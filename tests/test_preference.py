@@ -210,7 +210,8 @@ def test_preference_recipe_runs_end_to_end_and_reuses_its_precomputed_reference(
     from mindqwen.tasks import task_for, train_recipe
     from mindqwen.train.recipe import RecipeError, load_recipe
     settings = _letter_pairs(tmp_path) + [
-        f"model.checkpoint={fixture_path('qwen2_tiny', 'base')}", "model.adapter=null", "data.seq_length=40", "data.synthetic=null",
+        f"model.checkpoint={fixture_path('qwen2_tiny', 'base')}", "model.adapter=null", "model.config={}",
+        "data.seq_length=40", "data.synthetic=null",
         "preference.sft_weight=0.5", "trainer.max_steps=3", "trainer.warmup_steps=1", "trainer.micro_batch_size=4", "trainer.progress=false",
         "lora=null", f"trainer.output_dir={tmp_path / 'run'}"]
     recipe = load_recipe("demo/preference", settings)

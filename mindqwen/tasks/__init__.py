@@ -7,8 +7,8 @@ writes the deployable graphs. The command line (``train``, ``validate``, ``expor
 ``serve``) asks :func:`task_for` once and calls the task; nothing else branches on the kind.
 
 The kind follows the recipe's own section: a recipe with a ``multimodal`` section is a multimodal
-task, one with ``preference`` a preference task, one with neither a causal LM. A new kind is a module here with its class, a section in
-``mindqwen.train.recipe.Recipe`` and a line in ``TASKS``.
+task, one with ``preference`` a preference task, one with neither a causal LM. A new kind is a
+module here with its class, a section in ``mindqwen.train.recipe.Recipe`` and a line in ``TASKS``.
 """
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ class CausalLMTask:
         if self.recipe.data.reset_positions:
             eos = tokenizer.eos_token_id if tokenizer else model.config.eos_token_id
             if not isinstance(eos, int):
-                raise ValueError("data.reset_positions needs the EOS id: give data.tokenizer (or a config eos_token_id)")
+                raise ValueError("data.reset_positions needs the EOS id: give data.tokenizer "
+                                 "(or a config eos_token_id)")
             model.configure(document_eos_id=eos)
         return model
 
@@ -148,7 +149,8 @@ class CausalLMTask:
         if tiny and recipe.model.checkpoint:
             recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=None))
             if not (recipe.model.preset or recipe.model.config):
-                raise RecipeError(f"{source}: --tiny needs model.preset (the architecture) when model.checkpoint is set")
+                raise RecipeError(f"{source}: --tiny needs model.preset (the architecture) when "
+                                  "model.checkpoint is set")
         config = recipe_model_config(recipe, source)
         check_numerics(recipe, config, source, None if tiny else ms.get_context("device_target"))
         check_export_section(recipe, config, source)

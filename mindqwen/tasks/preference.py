@@ -54,8 +54,8 @@ class PreferenceTask:
         if d.synthetic is None:
             return d
         folder = os.path.join(self.recipe.trainer.output_dir, "data")
-        return dataclasses.replace(d, train=os.path.join(folder, "train.jsonl"), eval=os.path.join(folder, "eval.jsonl"),
-                                   synthetic=None)
+        return dataclasses.replace(d, train=os.path.join(folder, "train.jsonl"),
+                                   eval=os.path.join(folder, "eval.jsonl"), synthetic=None)
 
     def tokenizer_file(self) -> Optional[str]:
         return self.recipe.data.tokenizer
@@ -171,7 +171,8 @@ class PreferenceTask:
         if tiny and recipe.model.checkpoint:  # the architecture from preset / config, as the causal LM's
             recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=None))
             if not (recipe.model.preset or recipe.model.config):
-                raise RecipeError(f"{source}: --tiny needs model.preset (the architecture) when model.checkpoint is set")
+                raise RecipeError(f"{source}: --tiny needs model.preset (the architecture) when "
+                                  "model.checkpoint is set")
         reasons = check_unused(recipe, UNUSED)
         if reasons:
             raise RecipeError(f"{source}: a preference recipe cannot use {'; '.join(reasons)}")
