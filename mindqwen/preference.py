@@ -29,6 +29,7 @@ from mindspore import Parameter, nn, ops
 
 from mindqwen.data.loader import IGNORE_INDEX
 from mindqwen.io.hf import no_init_parameters
+from mindqwen.models.graph import invalidate_compiled_graphs
 from mindqwen.models.qwen import QwenForCausalLM
 
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "orpo")
@@ -208,12 +209,11 @@ def reference_view(model: QwenForCausalLM) -> QwenForCausalLM:
 
 
 def frozen_copy(model: QwenForCausalLM) -> QwenForCausalLM:
-    """``model`` as a frozen reference beside it in one graph: parameters renamed
-    ``reference.<name>``, none trained, its layers inlined (a graph holding the policy's own
-    backward cannot also hold layers compiled once around frozen weights: MindSpore 2.10)."""
+    """``model`` as a frozen reference beside the policy: parameters renamed ``reference.<name>``
+    (the two models' weights share a process and a checkpoint's names), none trained."""
     for p in model.get_parameters():
         p.name, p.requires_grad = f"reference.{p.name}", False
-    model.model.set_compile_once(False)
+    invalidate_compiled_graphs(model)  # frozen now: its layers regroup (compile once) as a LoRA base's do
     return model
 
 
