@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from typing import Optional, Tuple
 
@@ -22,7 +21,8 @@ from mindqwen.data.preference import load_pairs, pair_texts, read_pairs
 from mindqwen.data.preprocess import load_packed
 from mindqwen.data.tokenizer import load_tokenizer
 from mindqwen.evaluate import exact_match
-from mindqwen.io.jsonfile import write_json
+from mindqwen.io.atomic import atomic_file
+from mindqwen.io.jsonfile import read_json, write_json
 from mindqwen.lora import apply_lora, load_adapter
 from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.preference import (PreferenceLoss, frozen_copy, preference_accuracy, reference_view,
@@ -141,14 +141,14 @@ class PreferenceTask:
         folder = os.path.join(self.recipe.trainer.output_dir, "reference")
         key = _digest(model, data)
         path, meta = os.path.join(folder, f"{name}.npy"), os.path.join(folder, f"{name}.json")
-        if os.path.isfile(meta) and json.load(open(meta, encoding="utf-8")).get("key") == key:
+        if os.path.isfile(meta) and read_json(meta, ValueError, "reference key").get("key") == key:
             return np.load(path)
         view = reference_view(model) if any(not p.requires_grad for p in model.get_parameters()) else model
         print(f"reference log-probs of {len(data)} {name} pairs (once; kept in {folder})")
         logps = sequence_log_probs(view, data)[0]
         os.makedirs(folder, exist_ok=True)
-        np.save(path + ".tmp.npy", logps)
-        os.replace(path + ".tmp.npy", path)
+        with atomic_file(path, ".npy") as tmp:  # np.save keeps a name ending in .npy
+            np.save(tmp, logps)
         write_json(meta, {"key": key})
         return logps
 
