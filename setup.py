@@ -29,10 +29,13 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis", "nbclient", "nbformat", "ipykernel", "tokenizers",
-                 "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.0"],  # the server, driven by the official client
+                 "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.0",  # the server, driven by the official client
+                 "lm-eval==0.4.13", "pyarrow<25"],  # the eval extra's, pinned: tests compare with its goldens
         "plot": ["matplotlib"],
         "multimodal": ["pillow"],  # image files (MindSpore installs it too, but mindqwen imports it directly)
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],  # mindqwen serve
+        # mindqwen eval --tasks (lm-evaluation-harness, without torch); pyarrow 25+ needs NumPy 2
+        "eval": ["lm-eval>=0.4.13,<0.5", "pyarrow<25"],
     },
     entry_points={"console_scripts": ["mindqwen = mindqwen.cli:main"]},
 )

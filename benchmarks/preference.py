@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -70,12 +69,6 @@ def child(args: argparse.Namespace) -> dict:
             **stepper.reported}
 
 
-def run(cmd) -> dict:
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -92,14 +85,15 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
+    from train import child_json
     common = ["--shape", args.shape, "--pairs", str(args.pairs), "--prompt-len", str(args.prompt_len),
               "--response-len", str(args.response_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     runs = {"sft": [], "dpo": [], "trl": []}
     for _ in range(args.rounds):  # alternated, so that a slow stretch of the machine hits every mode
         for mode in ("sft", "dpo"):
-            runs[mode].append(run([sys.executable, __file__, "--child", mode, *common]))
+            runs[mode].append(child_json([sys.executable, __file__, "--child", mode, *common]))
         if args.peer:
-            runs["trl"].append(run([args.peer, os.path.join(HERE, "peers", "trl_dpo.py"), *common]))
+            runs["trl"].append(child_json([args.peer, os.path.join(HERE, "peers", "trl_dpo.py"), *common]))
     best = {mode: min(r, key=lambda x: x["step_ms"]) for mode, r in runs.items() if r}
     out = {"benchmark": "preference", "shape": args.shape, "pairs": args.pairs, "prompt_len": args.prompt_len,
            "response_len": args.response_len, "steps": args.steps, "rounds": args.rounds, "runs": runs,

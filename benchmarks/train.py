@@ -42,6 +42,16 @@ QWEN3_30B_A3B_NARROW = dict(model_type="qwen3_moe", vocab_size=1024, hidden_size
 SHAPES = ("bench-small", "bench-small-moe", "qwen3-30b-a3b-narrow", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-0.6b")
 
 
+def child_json(cmd: list) -> dict:
+    """Run a benchmark's child process (MindSpore at errors only) and return the JSON of its last
+    stdout line; a failure raises with the end of its stderr."""
+    import subprocess
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def shape_config(name: str, layers: int = 0) -> dict:
     """QwenConfig keyword arguments of a benchmark shape (``layers`` > 0 overrides the depth)."""
     from mindqwen.presets import PRESETS

@@ -96,6 +96,8 @@ def use_cpu_fusion() -> None:
                       stacklevel=3)
     _default_env("MS_DEV_GRAPH_KERNEL_FLAGS", CPU_FUSION_FLAGS)
     _default_env("AKG_WHITE_LIST_PATH", "/")  # silences AKG's tiling-repository lines on stdout
+    if fusion_enabled():  # this process's kernel builds write the log, whoever chose the kernel cache
+        _remove_akg_log_at_exit()  # (a child of a mindqwen process inherits MS_COMPILER_CACHE_PATH)
     if fusion_enabled() and "MS_COMPILER_CACHE_PATH" not in os.environ:
         folder = os.path.join(cache_dir(), f"kernels-ms{_mindspore_version()}")
         try:
@@ -106,7 +108,6 @@ def use_cpu_fusion() -> None:
             return
         _set_env("MS_COMPILER_CACHE_PATH", folder)
         _kernel_cache_set = True
-        _remove_akg_log_at_exit()
 
 
 @contextlib.contextmanager

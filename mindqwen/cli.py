@@ -53,22 +53,60 @@ def cmd_train(argv: List[str]) -> None:
 
 
 def cmd_eval(argv: List[str]) -> None:
-    """Validation loss and perplexity (and exact match for prompt/response data) of a model."""
-    p = _parser(cmd_eval, "mindqwen eval outputs/demo/pretrain/model --adapter outputs/demo/adapter "
+    """Score a model: standard benchmarks through lm-evaluation-harness (--tasks), or validation
+    loss, perplexity and exact match on your own data (--data)."""
+    p = _parser(cmd_eval, "mindqwen eval ./Qwen2.5-0.5B-Instruct --tasks hellaswag,mmlu --num-fewshot 5 --limit 200 "
+                          "--output results.json\n"
+                          "  mindqwen eval outputs/demo/pretrain/model --adapter outputs/demo/adapter "
                           "--data outputs/demo/data/eval.jsonl --tokenizer outputs/demo/data/tokenizer.model")
     p.add_argument("model", help="HF folder")
     p.add_argument("--adapter", help="PEFT adapter folder to load on top")
-    p.add_argument("--data", required=True, help=".jsonl prompt/response pairs, .npy token rows, or a `mindqwen preprocess` folder")
-    p.add_argument("--tokenizer", help="SentencePiece .model (for .jsonl)")
-    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--tokenizer", help="HF tokenizer folder, qwen.tiktoken or SentencePiece .model "
+                                       "(default: the model folder's)")
     p.add_argument("--batch-size", type=int, default=8)
+    tasks = p.add_argument_group("benchmarks (lm-evaluation-harness; pip install 'mindqwen[eval]')")
+    tasks.add_argument("--tasks", help="comma-separated task or group names (hellaswag,mmlu,...)")
+    tasks.add_argument("--num-fewshot", type=int, help="examples before each question (default: each task's)")
+    tasks.add_argument("--limit", type=float, help="examples per task (a number, or a fraction below 1)")
+    tasks.add_argument("--include-path", help="folder of your own task YAML files")
+    tasks.add_argument("--apply-chat-template", action="store_true", help="wrap prompts in the model's chat template")
+    tasks.add_argument("--fewshot-as-multiturn", action="store_true", help="few-shot examples as chat turns")
+    tasks.add_argument("--max-length", type=int, help="context length (default: the model's)")
+    tasks.add_argument("--output", help="write the full results (JSON)")
+    tasks.add_argument("--log-samples", action="store_true", help="with --output: every request and answer too")
+    data = p.add_argument_group("your own data")
+    data.add_argument("--data", help=".jsonl prompt/response pairs, .npy token rows, or a `mindqwen preprocess` folder")
+    data.add_argument("--seq-length", type=int, default=256)
     args = p.parse_args(argv)
+    if (args.tasks is None) == (args.data is None):
+        raise ValueError("give --tasks (benchmarks through lm-evaluation-harness) or --data (your own data)")
+    (_eval_tasks if args.tasks is not None else _eval_data)(args)
+
+
+def _eval_tasks(args: argparse.Namespace) -> None:
+    """``mindqwen eval --tasks``: checked before the model loads; the scores as a table."""
+    from mindqwen.harness import MindQwenLM, check_tasks, evaluate_tasks, write_results
+    from lm_eval.utils import make_table
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    check_tasks(tasks, args.include_path, args.limit)
+    lm = MindQwenLM(args.model, tokenizer=args.tokenizer, adapter=args.adapter, batch_size=args.batch_size,
+                    max_length=args.max_length)
+    results = evaluate_tasks(lm, tasks, args.num_fewshot, args.limit, args.include_path, args.apply_chat_template,
+                             args.fewshot_as_multiturn, log_samples=args.log_samples)
+    print(make_table(results))
+    if args.output:
+        write_results(args.output, results)
+        print(f"results in {args.output}")
+
+
+def _eval_data(args: argparse.Namespace) -> None:
+    """``mindqwen eval --data``: loss and perplexity (and exact match for prompt/response data)."""
     import math
-    from mindqwen.data.tokenizer import SentencePieceTokenizer
-    from mindqwen.evaluate import exact_match
-    from mindqwen.train.loop import evaluate
     from mindqwen.data.sources import load_split
-    tokenizer = SentencePieceTokenizer(args.tokenizer) if args.tokenizer else None
+    from mindqwen.evaluate import exact_match
+    from mindqwen.data.tokenizer import model_tokenizer
+    from mindqwen.train.loop import evaluate
+    tokenizer = model_tokenizer(args.model, args.tokenizer, required=args.data.endswith(".jsonl"))
     data, pairs = load_split(args.data, tokenizer, args.seq_length)
     model = _load_model(args.model, args.adapter)
     loss = evaluate(model, data, min(args.batch_size, len(data)))
@@ -450,6 +488,8 @@ def exit_code(error: Exception) -> Optional[int]:
     """The exit code of a known error, None for an unexpected one (it keeps its traceback)."""
     if isinstance(error, (ValueError, OSError, KeyError, MemoryError)):  # RecipeError, ConfigError,
         return EXIT_ERROR                                                 # CheckpointError are ValueErrors
+    if isinstance(error, ImportError) and "pip install" in str(error):  # an extra that is not installed
+        return EXIT_ERROR
     loop = sys.modules.get("mindqwen.train.loop")  # loaded if training ran
     if loop is not None and isinstance(error, loop.TrainingDiverged):
         return EXIT_DIVERGED

@@ -25,7 +25,7 @@ from mindspore import Tensor, ops
 from tqdm import tqdm
 
 from mindqwen.config import QwenConfig
-from mindqwen.models.graph import in_mode
+from mindqwen.models.graph import in_mode, kept_on_model
 from mindqwen.models.kv_cache import (CachedLM, CachedStep, CacheLayout, ImageCachedStep, ImageConditionedLM,
                                       ImageKeysValues)
 
@@ -649,24 +649,18 @@ class Generator:
 
 
 def compiled_steps(model) -> tuple:
-    """The model's (prefill, decode, image step or None) Cells, kept on the model: every
-    ``Generator`` made over it (another tokenizer or filter, each evaluation, each ``generate``
-    call) runs the graphs compiled so far. Built anew once any cell of the model has a newer
-    stamp than when they were made (surgery re-stamps what it touches, ``invalidate_compiled_graphs``;
-    a new cell has a new stamp): the step Cells above the model keep their own stamps, so their
-    graphs would be stale. A ``Generator`` made before the change keeps the old Cells."""
-    stamp = max(cell.create_time for _, cell in model.cells_and_names())
-    kept_stamp, kept = model.__dict__.get("_mindqwen_steps", (None, None))
-    if kept is not None and kept_stamp == stamp:
-        return kept
-    multimodal = isinstance(model, ImageConditionedLM)
-    step = ImageCachedStep if multimodal else CachedStep
-    prefill, decode = step(model), step(model)
-    prefill.set_inputs(*_dynamic_prefill_inputs(model.cache_dtype, multimodal))
-    steps = (prefill, decode, ImageKeysValues(model) if multimodal else None)
-    # A plain attribute: as a Cell attribute the steps (which hold the model) would be its children.
-    object.__setattr__(model, "_mindqwen_steps", (stamp, steps))
-    return steps
+    """The model's (prefill, decode, image step or None) Cells, kept on the model
+    (``kept_on_model``): every ``Generator`` made over it (another tokenizer or filter, each
+    evaluation, each ``generate`` call) runs the graphs compiled so far, until the model changes
+    (the step Cells above the model keep their own stamps, so their graphs would be stale). A
+    ``Generator`` made before the change keeps the old Cells."""
+    def build() -> tuple:
+        multimodal = isinstance(model, ImageConditionedLM)
+        step = ImageCachedStep if multimodal else CachedStep
+        prefill, decode = step(model), step(model)
+        prefill.set_inputs(*_dynamic_prefill_inputs(model.cache_dtype, multimodal))
+        return prefill, decode, ImageKeysValues(model) if multimodal else None
+    return kept_on_model(model, "_mindqwen_steps", build)
 
 
 def _dynamic_prefill_inputs(dtype, multimodal: bool = False) -> tuple:

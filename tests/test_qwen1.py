@@ -4,8 +4,8 @@ built here, against a numpy forward written from the published ``modeling_qwen.p
 and dynamic NTK rotary at inference beyond ``seq_length``); the layout round trip; LoRA with the
 fine-tuning guides' ``target_modules=["query_key_value"]``."""
 import json
-import math
 import os
+import sys
 
 import mindspore as ms
 import numpy as np
@@ -13,76 +13,20 @@ import pytest
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
+from conftest import fixture_path
 from mindqwen import LoraConfig, QwenConfig, QwenForCausalLM, apply_lora, from_pretrained
 
-V, H, L, N, D, FF = 96, 32, 2, 4, 8, 48  # vocab, hidden, layers, heads, head dim, w1/w2 width
-SEQ_LENGTH = 8  # the training length: logn and NTK act beyond it
-CONFIG = {"architectures": ["QWenLMHeadModel"], "model_type": "qwen", "vocab_size": V, "hidden_size": H,
-          "num_hidden_layers": L, "num_attention_heads": N, "kv_channels": D, "intermediate_size": 2 * FF,
-          "layer_norm_epsilon": 1e-6, "rotary_emb_base": 10000, "rotary_pct": 1.0, "seq_length": SEQ_LENGTH,
-          "max_position_embeddings": 64, "use_logn_attn": True, "use_dynamic_ntk": True, "no_bias": True,
-          "tie_word_embeddings": False, "scale_attn_weights": True}
+sys.path.insert(0, fixture_path())
+from qwen1_reference import CONFIG, FF, L, SEQ_LENGTH, V, draw_weights, reference_logits  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A random checkpoint in the original layout (weights drawn so none is trivially 0 or 1)."""
-    rng = np.random.default_rng(0)
-    w = {"transformer.wte.weight": rng.normal(0, 0.3, (V, H)), "transformer.ln_f.weight": rng.uniform(0.5, 1.5, H),
-         "lm_head.weight": rng.normal(0, 0.3, (V, H))}
-    for i in range(L):
-        p = f"transformer.h.{i}."
-        w.update({p + "ln_1.weight": rng.uniform(0.5, 1.5, H), p + "ln_2.weight": rng.uniform(0.5, 1.5, H),
-                  p + "attn.c_attn.weight": rng.normal(0, 0.15, (3 * N * D, H)),
-                  p + "attn.c_attn.bias": rng.normal(0, 0.1, 3 * N * D),
-                  p + "attn.c_proj.weight": rng.normal(0, 0.15, (H, N * D)),
-                  p + "mlp.w1.weight": rng.normal(0, 0.15, (FF, H)), p + "mlp.w2.weight": rng.normal(0, 0.15, (FF, H)),
-                  p + "mlp.c_proj.weight": rng.normal(0, 0.15, (H, FF))})
     path = tmp_path_factory.mktemp("qwen1")
-    save_file({k: v.astype(np.float32) for k, v in w.items()}, str(path / "model.safetensors"))
+    save_file({k: v.astype(np.float32) for k, v in draw_weights().items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(CONFIG))
     return str(path)
-
-
-def reference_logits(w, ids, training=False):
-    """modeling_qwen.py's forward in float64 numpy, one row: ids (S,) → logits (S, V)."""
-    s = len(ids)
-
-    def rms(x, g):
-        return g * x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
-
-    # RotaryEmbedding.update_rotary_pos_emb with QWenModel.get_ntk_alpha(kv_seq_len)
-    ntk_alpha = 1.0
-    if not training:
-        context_value = math.log(s / SEQ_LENGTH, 2) + 1
-        ntk_alpha = max(2 ** math.ceil(context_value) - 1, 1)
-    base = 10000 * ntk_alpha ** (D / (D - 2))
-    inv_freq = 1.0 / base ** (np.arange(0, D, 2) / D)
-    emb = np.concatenate([np.outer(np.arange(s), inv_freq)] * 2, -1)  # (S, D)
-    cos, sin = np.cos(emb)[:, None], np.sin(emb)[:, None]  # (S, 1, D)
-
-    def rotate(t):  # _rotate_half: the two halves of the last axis
-        return np.concatenate([-t[..., D // 2:], t[..., :D // 2]], -1)
-
-    logn = np.array([math.log(i, SEQ_LENGTH) if i > SEQ_LENGTH else 1 for i in range(1, s + 1)])[:, None, None]
-    x = w["transformer.wte.weight"][ids]
-    for i in range(L):
-        p = f"transformer.h.{i}."
-        h = rms(x, w[p + "ln_1.weight"])
-        qkv = h @ w[p + "attn.c_attn.weight"].T + w[p + "attn.c_attn.bias"]
-        q, k, v = (t.reshape(s, N, D) for t in np.split(qkv, 3, -1))
-        q, k = q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-        if not training:
-            q = q * logn
-        scores = np.einsum("qnd,knd->nqk", q, k) / math.sqrt(D)
-        scores = np.where(np.tril(np.ones((s, s), bool)), scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("nqk,knd->qnd", probs, v).reshape(s, N * D) @ w[p + "attn.c_proj.weight"].T
-        h = rms(x, w[p + "ln_2.weight"])
-        a1, a2 = h @ w[p + "mlp.w1.weight"].T, h @ w[p + "mlp.w2.weight"].T
-        x = x + (a1 * a2 / (1 + np.exp(-a2))) @ w[p + "mlp.c_proj.weight"].T
-    return rms(x, w["transformer.ln_f.weight"]) @ w["lm_head.weight"].T
 
 
 @pytest.mark.parametrize("length", [6, 20])  # within seq_length; beyond it (NTK alpha 3, logn > 1)

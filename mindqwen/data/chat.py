@@ -5,14 +5,19 @@ The renderers follow the published Jinja templates of the Qwen2.5 and Qwen3 toke
 and the character spans the model should learn to produce: an assistant turn's content (with
 Qwen3's think block when the template keeps it) and its closing ``<|im_end|>``. ``encode_chat``
 tokenizes the whole text once and labels the tokens that start inside those spans.
+``render_jinja`` renders a model folder's own Jinja template (``folder_chat_template``) instead.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import json
+import os
+from datetime import datetime
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.io.jsonfile import read_json
 
 Message = Dict[str, str]  # {"role": system|user|assistant, "content": ..., optional "reasoning_content"}
 Span = Tuple[int, int]
@@ -129,3 +134,54 @@ def encode_chat(messages: Sequence[Message], tokenizer, template: str = "qwen2.5
         inside |= (np.asarray(starts) >= lo) & (np.asarray(starts) < hi)
     ids_arr = np.asarray(ids, np.int32)
     return ids_arr, np.where(inside, ids_arr, IGNORE_INDEX).astype(np.int32)
+
+
+# ---------------------------------------------------------------------- a model folder's own template
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks where a continued final message ends
+
+
+def folder_chat_template(folder: str) -> Optional[str]:
+    """The Jinja chat template a tokenizer folder ships (``chat_template.jinja``, or
+    ``tokenizer_config.json``'s ``chat_template``: a string, or named templates of which
+    ``default`` is taken); None when it has none."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    path = os.path.join(folder, "tokenizer_config.json")
+    template = read_json(path, ValueError, "tokenizer config").get("chat_template") if os.path.isfile(path) else None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def render_jinja(template: str, messages: Sequence[Message], add_generation_prompt: bool = False,
+                 continue_final_message: bool = False, **variables) -> str:
+    """A Jinja chat template rendered the way model folders expect: a sandbox with trimmed
+    blocks, ``loopcontrols``, ``raise_exception``, a ``tojson`` that keeps non-ASCII text and
+    ``strftime_now``. ``continue_final_message``: the text stops where the last message's
+    content ends, so a model continues it (a prefilled answer). ``variables``: the special
+    tokens the template reads (``eos_token``, ...)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    messages = [dict(m) for m in messages]
+    final = messages[-1]["content"] if continue_final_message and messages else None
+    if final is not None:
+        messages[-1]["content"] = final + _CONTINUE_TAG
+    text = env.from_string(template).render(messages=messages, tools=None, documents=None,
+                                            add_generation_prompt=add_generation_prompt, **variables)
+    if final is None:
+        return text
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("the chat template drops part of the final message, so it cannot be continued")
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()

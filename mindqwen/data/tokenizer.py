@@ -53,14 +53,18 @@ class QwenTokenizer:
         eos_token: the token that ends generation / separates packed documents.
         pad_token: fills rows (defaults to eos).
         nfc: NFC-normalise text first (Qwen2+; Qwen-1 does not).
+        special: the added tokens that are control tokens (``decode(..., skip_special_tokens=True)``
+            leaves them out); None: all of them.
     """
 
     def __init__(self, ranks: Dict[bytes, int], added: Dict[str, int], eos_token: str,
-                 pad_token: Optional[str] = None, nfc: bool = True, name: str = "qwen"):
+                 pad_token: Optional[str] = None, nfc: bool = True, name: str = "qwen",
+                 special: Optional[Iterable[str]] = None):
         import tiktoken
         self.encoding = tiktoken.Encoding(name, pat_str=QWEN2_PATTERN, mergeable_ranks=ranks, special_tokens=added)
-        self.added, self.nfc = added, nfc
+        self.added, self.nfc, self.name = added, nfc, name
         self.id_to_added = {i: t for t, i in added.items()}
+        self.special_ids = frozenset(added[t] for t in (added if special is None else special))
         for token in (eos_token, pad_token or eos_token):
             if token not in added:
                 raise ValueError(f"special token {token!r} is not among the added tokens")
@@ -76,16 +80,18 @@ class QwenTokenizer:
             return cls.from_tiktoken_file(os.path.join(folder, "qwen.tiktoken"))
         config_path = os.path.join(folder, "tokenizer_config.json")
         config = read_json(config_path, ValueError, "tokenizer config") if os.path.isfile(config_path) else {}
-        added = {v["content"]: int(k) for k, v in config.get("added_tokens_decoder", {}).items()}
+        entries = [dict(v, id=int(k)) for k, v in config.get("added_tokens_decoder", {}).items()]
         tok_json = os.path.join(folder, "tokenizer.json")
         if os.path.isfile(tok_json):
             spec = read_json(tok_json, ValueError, "tokenizer.json")
             vocab = spec.get("model", {}).get("vocab")
             if not isinstance(vocab, dict):
                 raise ValueError(f"{tok_json}: no BPE model.vocab")
-            added.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+            entries += spec.get("added_tokens", [])
         else:
             vocab = read_json(os.path.join(folder, "vocab.json"), ValueError, "vocab.json (or tokenizer.json)")
+        added = {t["content"]: t["id"] for t in entries}
+        special = {t["content"] for t in entries if t.get("special", True)}
         decoder = {c: b for b, c in bytes_to_unicode().items()}
         try:
             ranks = {bytes(decoder[c] for c in token): i for token, i in vocab.items() if token not in added}
@@ -95,7 +101,7 @@ class QwenTokenizer:
         eos = eos["content"] if isinstance(eos, dict) else eos
         pad = config.get("pad_token")
         pad = pad["content"] if isinstance(pad, dict) else pad
-        return cls(ranks, added, eos, pad, nfc=True, name=os.path.basename(os.path.abspath(folder)))
+        return cls(ranks, added, eos, pad, nfc=True, name=os.path.basename(os.path.abspath(folder)), special=special)
 
     @classmethod
     def from_tiktoken_file(cls, path: str) -> "QwenTokenizer":
@@ -160,8 +166,11 @@ class QwenTokenizer:
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self.encoding.decode_bytes([int(i) for i in ids])
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``; an incomplete UTF-8 sequence becomes U+FFFD (as HF does)."""
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; an incomplete UTF-8 sequence becomes U+FFFD (as HF does).
+        ``skip_special_tokens``: leave the control tokens out (``special_ids``)."""
+        if skip_special_tokens:
+            ids = [i for i in ids if int(i) not in self.special_ids]
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def stream(self) -> "StreamDecoder":
@@ -206,7 +215,7 @@ class SentencePieceTokenizer:
         import sentencepiece as spm
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: tokenizer model not found")
-        self.path = path
+        self.path, self.name = path, os.path.basename(path)
         try:
             self.sp = spm.SentencePieceProcessor(model_file=path)
         except (RuntimeError, OSError) as e:
@@ -227,8 +236,9 @@ class SentencePieceTokenizer:
         starts = np.searchsorted(char_starts, [p.begin for p in pieces], side="right") - 1
         return [p.id for p in pieces], starts.tolist()
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``; ids past the pieces (a model's padded vocabulary rows) decode to nothing."""
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; ids past the pieces (a model's padded vocabulary rows) decode to nothing,
+        and so do control pieces (eos, pad) whatever ``skip_special_tokens`` says."""
         return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 
 
@@ -250,6 +260,28 @@ def load_tokenizer(path: str) -> Union[QwenTokenizer, SentencePieceTokenizer]:
     if path.endswith(".model"):
         return SentencePieceTokenizer(path)
     return QwenTokenizer.from_tiktoken_file(path) if path.endswith(".tiktoken") else QwenTokenizer.from_pretrained(path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "qwen.tiktoken", "tokenizer.model")
+
+
+def model_tokenizer(folder: Optional[str], path: Optional[str] = None, required: bool = True):
+    """The tokenizer at ``path`` if given, else the one in the model ``folder`` (any of
+    ``TOKENIZER_FILES``); None when there is none and it is not ``required``.
+
+    Raises:
+        ValueError: ``required`` and neither gives one.
+    """
+    if path is not None:
+        return load_tokenizer(path)
+    if folder is not None and any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
+        sentencepiece = os.path.join(folder, "tokenizer.model")
+        return load_tokenizer(sentencepiece if os.path.isfile(sentencepiece) else folder)
+    if required:
+        where = f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)})" if folder else "no tokenizer was given"
+        raise ValueError(f"this needs a tokenizer and {where}: give one with --tokenizer (an HF tokenizer "
+                         "folder, qwen.tiktoken or a SentencePiece .model)")
+    return None
 
 
 def train_sentencepiece(lines: Iterable[str], path: str, vocab_size: int) -> SentencePieceTokenizer:

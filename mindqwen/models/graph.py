@@ -3,12 +3,14 @@ Cell tree changes, and running a block in a given execution mode."""
 import contextlib
 import dataclasses
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import mindspore as ms
 from mindspore import nn
 
 from mindqwen.config import ExecutionOptions
+
+T = TypeVar("T")
 
 
 def configure(model: nn.Cell, **changes) -> ExecutionOptions:
@@ -54,6 +56,20 @@ def in_mode(mode: int) -> Iterator[None]:
         yield
     finally:
         ms.set_context(mode=previous)
+
+
+def kept_on_model(model: nn.Cell, key: str, build: Callable[[], T]) -> T:
+    """``build()``, kept on ``model`` under ``key`` and built anew once any of its cells has a
+    newer stamp (surgery re-stamps what it touches, ``invalidate_compiled_graphs``; a new cell has
+    a new stamp): Cells made over a model (generation steps, scoring graphs) keep their compiled
+    graphs across the objects that use them, and never outlive a change of the model."""
+    stamp = max(cell.create_time for _, cell in model.cells_and_names())
+    kept_stamp, kept = model.__dict__.get(key, (None, None))
+    if kept is None or kept_stamp != stamp:
+        kept = build()
+        # A plain attribute: as a Cell attribute the kept Cells (which hold the model) would be its children.
+        object.__setattr__(model, key, (stamp, kept))
+    return kept
 
 
 def invalidate_compiled_graphs(model: nn.Cell) -> None:

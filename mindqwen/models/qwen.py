@@ -903,6 +903,14 @@ def _label_log_probs(logits, labels):
     return ops.gather_elements(ops.log_softmax(logits, -1), 1, safe) * keep.astype(ms.float32)
 
 
+def _label_scores(logits, labels):
+    """logits (T, V) fp32, labels (T,) int32 → log p(label) (T,), 0 where ignored, and whether
+    the label is the argmax (T,) bool, True where ignored: what an evaluation asks of a token."""
+    keep = labels != IGNORE_INDEX
+    greedy = ops.logical_or(ops.argmax(logits, -1).astype(ms.int32) == labels, ops.logical_not(keep))
+    return _label_log_probs(logits, labels).reshape(-1), greedy
+
+
 _MATMUL_NT = ops.MatMul(transpose_b=True)  # h (r, H) · W (V, H)ᵀ
 _MATMUL_NN = ops.MatMul()  # dlogits (r, V) · W (V, H)
 _MATMUL_TN = ops.MatMul(transpose_a=True)  # dlogits (r, V)ᵀ · h (r, H)
@@ -1198,6 +1206,33 @@ class QwenForCausalLM(nn.Cell):
             logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
             values = _label_log_probs(logits, shift_labels).reshape(-1)
         return values.reshape(input_ids.shape[0], -1)
+
+    def score_tokens(self, input_ids, targets, last):
+        """What an evaluation asks of each row (a harness's log-likelihood requests):
+        input_ids, targets (R, S) int32, targets[:, t] the token that follows input_ids[:, :t+1]
+        (-100: not asked) → its log-prob (R, S) fp32 (0 where not asked), whether it is the
+        argmax (R, S) bool (True where not asked), and the whole log-distribution that follows
+        position last[r] (R, V) fp32, for scoring several one-token continuations of a row at
+        once. Block by block like the loss: the (R, S, V) logits are never whole."""
+        h, _, _ = self.model.run(input_ids, None)
+        r, s, hidden = h.shape
+        flat = targets.reshape(-1).astype(ms.int32)  # (R·S,)
+        if self.chunked_loss.rows and self.chunk_head:
+            h2 = h.reshape(-1, hidden)
+            w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+            if not self.tied and self.lm_head.compute_dtype is not None:
+                h2, w = h2.astype(self.lm_head.compute_dtype), w.astype(self.lm_head.compute_dtype)
+            values, greedy = (), ()
+            for start in range(0, h2.shape[0], self.chunked_loss.rows):  # unrolled: R·S is static
+                v, g = _label_scores(_MATMUL_NT(h2[start:start + self.chunked_loss.rows], w).astype(ms.float32),
+                                     flat[start:start + self.chunked_loss.rows])
+                values, greedy = values + (v,), greedy + (g,)
+            values, greedy = ops.cat(values, 0), ops.cat(greedy, 0)
+        else:
+            values, greedy = _label_scores(self.logits(h).reshape(-1, self.vocab_size).astype(ms.float32), flat)
+        rows = ops.gather(h.reshape(-1, hidden), ops.arange(r, dtype=ms.int32) * s + last.astype(ms.int32), 0)
+        after_last = ops.log_softmax(self.logits(rows.reshape(r, 1, hidden)).reshape(r, -1).astype(ms.float32), -1)
+        return values.reshape(r, s), greedy.reshape(r, s), after_last
 
     def _head_operands(self, h):
         """h (B, S, H) → the rows that predict a next token, h[:, :-1] (T, H), and the head matrix

@@ -54,6 +54,15 @@ class Task(Protocol):
         """The tokenizer the recipe trains with (a demo's is written by its run), if any."""
 
 
+def run_eval(recipe: Recipe, model: nn.Cell, tokenizer_file: Optional[str]) -> dict:
+    """The recipe's ``eval`` section on the trained ``model`` (lm-evaluation-harness): the scores
+    that summary.json keeps under ``eval``."""
+    from mindqwen.harness import evaluate_section
+    from mindqwen.train.validate import eval_tokenizer
+    print(f"benchmarks: {', '.join(recipe.eval.tasks)}")
+    return evaluate_section(recipe.eval, model, eval_tokenizer(recipe, tokenizer_file))
+
+
 def task_for(recipe: Recipe, source: str = "recipe") -> Task:
     """The task of ``recipe``'s kind.
 

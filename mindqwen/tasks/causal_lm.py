@@ -21,12 +21,13 @@ from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import write_json
 from mindqwen.lora import apply_lora, is_target, load_adapter
 from mindqwen.models.qwen import ExpertLinear, Linear, QwenForCausalLM
+from mindqwen.tasks import run_eval
 from mindqwen.train.distributed import check_model_layout
 from mindqwen.train.loop import fit
 from mindqwen.train.model import build_model
 from mindqwen.train.recipe import DataSection, Recipe, RecipeError
-from mindqwen.train.validate import (check_export_section, check_numerics, check_outputs, recipe_model_config,
-                                     tiny_config)
+from mindqwen.train.validate import (check_eval, check_export_section, check_numerics, check_outputs,
+                                     recipe_model_config, tiny_config)
 
 SAMPLES = 4  # generated answers printed and kept in the summary
 
@@ -94,6 +95,8 @@ class CausalLMTask:
                                   for (p, r), a in zip(eval_pairs[:SAMPLES], answers)]
             for s in summary["samples"]:
                 print(f"  {s['prompt']}{s['answer']}   (reference:{s['reference']})")
+        if recipe.eval is not None:
+            summary["eval"] = run_eval(recipe, model, self.tokenizer_file())
         if recipe.export.enabled:
             summary["export"] = self.export(model, os.path.join(out, "export"))
         write_json(os.path.join(out, "summary.json"), summary)
@@ -146,6 +149,7 @@ class CausalLMTask:
     def validate(self, source: str, tiny: bool = False) -> str:
         recipe = self.recipe
         check_outputs(recipe, source)
+        check_eval(recipe, source, self.tokenizer_file())
         if tiny and recipe.model.checkpoint:
             recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=None))
             if not (recipe.model.preset or recipe.model.config):

@@ -44,12 +44,13 @@ from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.multimodal.data import image_token_id, read_media_jsonl
 from mindqwen.multimodal.fusion import MultimodalQwen, apply_multimodal_lora, trainable_by_group
+from mindqwen.tasks import run_eval
 from mindqwen.train.config import TrainerConfig
 from mindqwen.train.loop import fit
 from mindqwen.train.model import build_model, model_config
 from mindqwen.train.recipe import Recipe, RecipeError
-from mindqwen.train.validate import (check_export_section, check_numerics, check_outputs, check_unused,
-                                     recipe_model_config)
+from mindqwen.train.validate import (check_eval, check_export_section, check_numerics, check_outputs,
+                                     check_unused, recipe_model_config)
 
 SEED_OFFSETS = {"text": 0, "vision": 1}  # each stage draws its own batches
 WEIGHTS = "multimodal.safetensors"
@@ -173,6 +174,8 @@ class MultimodalTask:
         weights = os.path.join(out, WEIGHTS)  # every parameter, LoRA unmerged: what ``trained_model`` loads
         save_file({p.name: p.asnumpy() for p in model.get_parameters()}, weights)
         summary["train"]["outputs"]["model"] = weights
+        if self.recipe.eval is not None:
+            summary["eval"] = run_eval(self.recipe, model, self.tokenizer_file())
         if self.recipe.export.enabled:
             summary["export"] = self.export(model, os.path.join(out, "export"))
         summary["seconds"] = round(time.time() - start, 1)
@@ -216,6 +219,7 @@ class MultimodalTask:
         """Check the recipe, read its data (unless ``tiny``) and build the fused model it trains."""
         recipe, m, t = self.recipe, self.recipe.multimodal, self.recipe.trainer
         check_outputs(recipe, source)
+        check_eval(recipe, source, self.tokenizer_file())
         self._check_sections(source)
         image_id = self.image_id(source)
         config = recipe_model_config(recipe, source, image_id + 1)  # the pieces, then <image>

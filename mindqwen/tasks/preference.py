@@ -28,11 +28,12 @@ from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.preference import (PreferenceLoss, frozen_copy, preference_accuracy, reference_view,
                                  sequence_log_probs)
 from mindqwen.tasks.causal_lm import CausalLMTask, check_lora
+from mindqwen.tasks import run_eval
 from mindqwen.train.loop import fit
 from mindqwen.train.model import build_model
 from mindqwen.train.recipe import DataSection, Recipe, RecipeError
-from mindqwen.train.validate import (check_export_section, check_numerics, check_outputs, check_unused,
-                                     recipe_model_config)
+from mindqwen.train.validate import (check_eval, check_export_section, check_numerics, check_outputs,
+                                     check_unused, recipe_model_config)
 
 UNUSED = {
     "pretrain": "preference tuning starts from a trained model (model.checkpoint, model.adapter)",
@@ -104,6 +105,8 @@ class PreferenceTask:
         summary["train"] = fit(model, train_set, recipe.trainer, eval_set, recipe_text, recipe.parallel,
                                loss_net=loss_net)
         self._held_out(summary, "after", model, tokenizer, eval_set, eval_texts)
+        if recipe.eval is not None:
+            summary["eval"] = run_eval(recipe, model, self.tokenizer_file())
         if recipe.export.enabled:
             summary["export"] = self.export(model, os.path.join(out, "export"))
         write_json(os.path.join(out, "summary.json"), summary)
@@ -168,6 +171,7 @@ class PreferenceTask:
     def validate(self, source: str, tiny: bool = False) -> str:
         recipe = self.recipe
         check_outputs(recipe, source)
+        check_eval(recipe, source, self.tokenizer_file())
         if tiny and recipe.model.checkpoint:  # the architecture from preset / config, as the causal LM's
             recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, checkpoint=None))
             if not (recipe.model.preset or recipe.model.config):

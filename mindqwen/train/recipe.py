@@ -249,6 +249,43 @@ class ServeSection:
 
 
 @dataclass
+class EvalSection:
+    """Benchmarks run on the trained model after training, through lm-evaluation-harness
+    (``pip install 'mindqwen[eval]'``); the scores go into summary.json.
+
+    Attributes:
+        tasks: task or group names (hellaswag, mmlu, ...; ``lm_eval ls tasks`` lists them), or
+            names of YAML tasks in ``include_path``.
+        num_fewshot: examples before each question (None: each task's own).
+        limit: examples per task (a number, or a fraction below 1); None: all.
+        batch_size: rows per forward pass.
+        include_path: a folder of your own task YAML files.
+        apply_chat_template: wrap prompts in the model's chat template.
+        fewshot_as_multiturn: few-shot examples as chat turns (with apply_chat_template).
+    """
+
+    tasks: List[str] = field(default_factory=list)
+    num_fewshot: Optional[int] = None
+    limit: Optional[float] = None
+    batch_size: int = 8
+    include_path: Optional[str] = None
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("eval.tasks: name at least one task")
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"eval.limit must be > 0, got {self.limit:g}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ValueError(f"eval.num_fewshot must be >= 0, got {self.num_fewshot}")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+        if self.fewshot_as_multiturn and not self.apply_chat_template:
+            raise ValueError("eval.fewshot_as_multiturn needs eval.apply_chat_template: true")
+
+
+@dataclass
 class ShapesSection:
     """The multimodal demo's self-made image-caption data (``mindqwen.demos.shapes``),
     written as PNG files and JSONL to ``<output_dir>/data`` and read back like a user's data.
@@ -316,6 +353,7 @@ class Recipe:
     serve: ServeSection = field(default_factory=ServeSection)
     multimodal: Optional[MultimodalSection] = None
     preference: Optional[PreferenceConfig] = None
+    eval: Optional[EvalSection] = None
 
 
 # ---------------------------------------------------------------------------- loading

@@ -71,6 +71,35 @@ def check_outputs(recipe: Recipe, path: str) -> None:
                           "(no trainer_state.json); use auto for the newest in output_dir")
 
 
+def eval_tokenizer(recipe: Recipe, tokenizer_file: Optional[str]) -> Optional[str]:
+    """The tokenizer the ``eval`` section's benchmarks read text with: the recipe's own, else the
+    one in the ``model.checkpoint`` folder; None when there is neither."""
+    from mindqwen.data.tokenizer import TOKENIZER_FILES
+    checkpoint = recipe.model.checkpoint
+    if tokenizer_file is None and checkpoint and os.path.isdir(checkpoint) and any(
+            os.path.isfile(os.path.join(checkpoint, f)) for f in TOKENIZER_FILES):
+        return checkpoint
+    return tokenizer_file
+
+
+def check_eval(recipe: Recipe, path: str, tokenizer_file: Optional[str]) -> None:
+    """The ``eval`` section can run after training: lm-evaluation-harness is installed, its tasks
+    exist (and ``include_path``), and there is a tokenizer (``eval_tokenizer``)."""
+    if recipe.eval is None:
+        return
+    try:
+        from mindqwen.harness import check_tasks
+    except ImportError as e:
+        raise RecipeError(f"{path}: eval: {e}") from None
+    try:
+        check_tasks(recipe.eval.tasks, recipe.eval.include_path, recipe.eval.limit)
+    except ValueError as e:
+        raise RecipeError(f"{path}: eval: {e}") from None
+    if eval_tokenizer(recipe, tokenizer_file) is None:
+        raise RecipeError(f"{path}: eval: benchmarks are text: give data.tokenizer, or a model.checkpoint folder "
+                          "with its tokenizer")
+
+
 def check_numerics(recipe: Recipe, config: QwenConfig, path: str, device: Optional[str]) -> None:
     """Lengths against the model; dtypes against ``device`` (None: the recipe's target is not here)."""
     d = recipe.data
