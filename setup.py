@@ -16,7 +16,9 @@ setup(
     # recipes/ ships inside the package as mindqwen.recipes (found with importlib.resources)
     packages=find_packages(include=["mindqwen", "mindqwen.*"]) + ["mindqwen.recipes"],
     package_dir={"mindqwen.recipes": "recipes"},
-    package_data={"mindqwen.recipes": ["*.md", "*/*.yaml"]},
+    package_data={"mindqwen.recipes": ["*.md", "*/*.yaml"],  # the doctor's golden models (~0.5 MB):
+                  "mindqwen.doctor": ["goldens/*/*.json", "goldens/*/*.npz", "goldens/*/*.safetensors",
+                                      "goldens/*/lora_adapter/*"]},
     install_requires=[
         "mindspore==2.10.0",
         "numpy<2",  # MindSpore 2.10 is built against NumPy 1.x (bf16 interop breaks under 2.x)

@@ -47,12 +47,17 @@ ASCEND_RUNTIME_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")  # set by the 
 _kernel_cache_set = False  # whether use_cpu_fusion set MS_COMPILER_CACHE_PATH (disable_cpu_fusion unsets it)
 
 
+def on_ascend() -> bool:
+    """Whether the CANN toolkit's environment is set (an Ascend runtime is there)."""
+    return any(v in os.environ for v in ASCEND_RUNTIME_VARS)
+
+
 def prepare_process() -> None:
     """Called once, by ``import mindqwen``: OpenMP's wait policy (it only counts before MindSpore
     loads) and, without an Ascend runtime, CPU graph-kernel fusion."""
     if not _imported_after_mindspore:
         _default_env("OMP_WAIT_POLICY", "PASSIVE")
-    if not any(v in os.environ for v in ASCEND_RUNTIME_VARS):
+    if not on_ascend():
         use_cpu_fusion()
 
 

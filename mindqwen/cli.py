@@ -455,10 +455,41 @@ def cmd_recipes(argv: List[str]) -> None:
     print(f"copied {args.name} to {args.dest}")
 
 
+def cmd_doctor(argv: List[str]) -> None:
+    """Check this install on this device against golden models (numerics, a LoRA step, generation,
+    export, parallel runs, experts) and write a report to attach to bug reports."""
+    p = _parser(cmd_doctor, "mindqwen doctor --quick --report doctor.json\n"
+                            "  mindqwen doctor --device Ascend --report doctor.json")
+    p.add_argument("--device", choices=["CPU", "Ascend"],
+                   help="default: Ascend where the CANN toolkit's environment is set, else CPU")
+    p.add_argument("--quick", action="store_true", help="leave out the multi-process runs (check 5)")
+    p.add_argument("--report", help="write the versions, devices and every figure as JSON")
+    p.add_argument("--only", help="comma-separated check numbers (1-6)")
+    args = p.parse_args(argv)
+    from mindqwen import backend
+    from mindqwen.doctor import CHECKS, run_doctor
+    from mindqwen.io.jsonfile import write_json
+    try:
+        only = [int(n) for n in args.only.split(",")] if args.only else None
+    except ValueError:
+        raise ValueError(f"--only takes check numbers like 1,3, got {args.only!r}") from None
+    if only and not set(only) <= set(range(1, len(CHECKS) + 1)):
+        raise ValueError(f"--only: checks are numbered 1 to {len(CHECKS)}, got {args.only}")
+    device = args.device or ("Ascend" if backend.on_ascend() else "CPU")
+    report = run_doctor(device, args.quick, only)
+    counts = report["summary"]
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    if args.report:
+        write_json(args.report, report)
+        print(f"report: {args.report} (attach it to a bug report)")
+    if counts["FAIL"]:
+        raise SystemExit(EXIT_ERROR)
+
+
 COMMANDS: Dict[str, Callable[[List[str]], None]] = {
     "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "export": cmd_export, "serve": cmd_serve,
     "convert": cmd_convert, "merge": cmd_merge, "preprocess": cmd_preprocess, "estimate": cmd_estimate,
-    "validate": cmd_validate, "recipes": cmd_recipes,
+    "validate": cmd_validate, "recipes": cmd_recipes, "doctor": cmd_doctor,
 }
 
 

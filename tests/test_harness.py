@@ -100,7 +100,7 @@ def test_adapter_requests_equal_hf_with_peft(adapter_results):
 
 def test_an_adapter_scores_as_its_merge(adapter_results, tasks):
     merged = merge_and_unload(load_adapter(from_pretrained(BASE), ADAPTER))
-    names = ["mq_choice", "mq_greedy", "mq_until"]
+    names = ["mq_greedy", "mq_until"]  # log-likelihoods and generation, on short rows (few graphs)
     results = evaluate_tasks(MindQwenLM(merged, tokenizer=TOKENIZER, batch_size=4), names,
                              include_path=tasks, log_samples=True)
     assert_same(responses(results), {t: responses(adapter_results)[t] for t in names}, scores(results),

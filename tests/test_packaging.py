@@ -49,6 +49,15 @@ def test_the_wheel_ships_the_recipes_and_validates_one_by_name(installed):
     assert "ok" in run(installed, "mindqwen", "validate", "demo/demo")
 
 
+def test_the_wheel_ships_the_doctors_golden_models(installed):
+    folder = run(installed, "python", "-c", "import mindqwen.doctor as d; print(d.GOLDENS)").strip()
+    assert folder.startswith(str(installed / "venv"))
+
+    def files(root):
+        return {os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names}
+    assert files(folder) == files(os.path.join(ROOT, "mindqwen", "doctor", "goldens"))
+
+
 def test_top_level_names_are_the_static_imports_ides_see():
     import ast
 
