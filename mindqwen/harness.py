@@ -82,7 +82,7 @@ class MindQwenLM(TemplateLM):
         batch_size: rows per forward pass (and generation batch).
         max_length: the context length L (default: the model's ``max_position_embeddings``).
         max_gen_toks: tokens to generate when a task does not say.
-        seed: seeds sampling (request i of a generation group draws from seed + i).
+        seed: seeds sampling (the i-th generation batch draws from seed + i).
         device, max_batch_size: accepted from the harness's command line and ignored (the device
             is MindSpore's: CPU, or Ascend where mindqwen runs on one).
     """
@@ -105,6 +105,9 @@ class MindQwenLM(TemplateLM):
         if self._batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self._batch_size}")
         self._max_length = int(max_length or self.model.config.max_position_embeddings)
+        if not 1 < self._max_length <= self.model.config.max_position_embeddings:
+            raise ValueError(f"max_length must be in 2..{self.model.config.max_position_embeddings} (the model's "
+                             f"max_position_embeddings), got {self._max_length}")
         self._max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         self.model.set_train(False)
 
@@ -140,14 +143,23 @@ class MindQwenLM(TemplateLM):
     def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation in the model's template: the folder's own Jinja template, else the
         built-in one of the model's family. Without a generation prompt the text stops where the
-        last message ends (the harness continues a prefilled answer)."""
+        last message ends (the harness continues a prefilled answer). A template that refuses the
+        conversation is tried again without its system turns, as the harness's own backend does."""
+        import jinja2
+        try:
+            return self._render(chat_history, add_generation_prompt)
+        except jinja2.exceptions.TemplateError:
+            return self._render([m for m in chat_history if m["role"] != "system"], add_generation_prompt)
+
+    def _render(self, chat: List[Dict[str, str]], add_generation_prompt: bool) -> str:
         if self.template is not None:
-            return render_jinja(self.template, chat_history, add_generation_prompt, not add_generation_prompt,
+            return render_jinja(self.template, chat, add_generation_prompt, not add_generation_prompt,
                                 eos_token=self.tokenizer.decode([self.eot_token_id]))
-        text, _ = render(chat_history, self._builtin_template(), add_generation_prompt=add_generation_prompt)
-        if add_generation_prompt or not chat_history:
-            return text
-        return text[:text.rindex(chat_history[-1]["content"]) + len(chat_history[-1]["content"])]
+        if add_generation_prompt or not chat:
+            return render(chat, self._builtin_template(), add_generation_prompt=add_generation_prompt)[0]
+        tag = "\x00CONTINUE\x00"  # where the final message's text ends, whatever the template does around it
+        text, _ = render(chat[:-1] + [dict(chat[-1], content=chat[-1]["content"] + tag)], self._builtin_template())
+        return text[:text.index(tag)]
 
     def _builtin_template(self) -> str:
         return "qwen3" if self.model.config.model_type.startswith("qwen3") else "qwen2.5"
@@ -157,14 +169,15 @@ class MindQwenLM(TemplateLM):
                               disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
         """Each request's (summed log-prob of its continuation, whether it is all greedy)."""
         rows: Dict[tuple, List[int]] = {}  # the row a request runs on → the requests on it
+        results: List[Optional[Tuple[float, bool]]] = [None] * len(requests)
         for i, (_, context, continuation) in enumerate(requests):
-            if not context or not continuation:
-                raise ValueError(f"request {i}: empty context or continuation tokens")
+            if not continuation:  # nothing to score (the context's tokens took it): log 1, greedy
+                results[i] = (0.0, True)
+                continue
             whole = (context + continuation)[-(self.max_length + 1):]
             rows.setdefault(tuple(whole[:-1]), []).append(i)
         order = sorted(rows, key=len, reverse=True)  # longest first: a batch's first row sets its length
-        results: List[Optional[Tuple[float, bool]]] = [None] * len(requests)
-        with tqdm(total=len(requests), desc="loglikelihood", disable=disable_tqdm) as bar:
+        with tqdm(total=sum(map(len, rows.values())), desc="loglikelihood", disable=disable_tqdm) as bar:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
                 values, greedy, after = self._score_rows(batch)
@@ -231,7 +244,8 @@ class MindQwenLM(TemplateLM):
             for n, chunk in enumerate(groups.get_batched(n=self.batch_size)):
                 contexts, settings = zip(*chunk)
                 config, until = self._generation_config(settings[0], eos, n)
-                prompts = [self.tok_encode(c)[-(self.max_length - config.max_new_tokens):] for c in contexts]
+                prompts = [self.tok_encode(c)[-(self.max_length - config.max_new_tokens):] or [self.prefix_token_id]
+                           for c in contexts]  # an empty context: the end-of-text token before the answer
                 for context, result in zip(contexts, generator.run(prompts, config, rows=self.batch_size)):
                     text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
                     out.append(postprocess_generated_text(text, until, None))

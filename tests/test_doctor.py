@@ -68,3 +68,15 @@ def test_a_wrong_golden_fails_the_check_and_the_exit_status(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as exit_status:
         main(["doctor", "--quick", "--only", "6"])
     assert exit_status.value.code == 1
+
+
+def test_a_nan_is_a_failure_not_a_pass(tmp_path, monkeypatch):
+    goldens = tmp_path / "goldens"
+    shutil.copytree(doctor.GOLDENS, goldens)
+    with np.load(goldens / "moe" / "golden.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["logits"] = np.full_like(arrays["logits"], np.nan)  # what a broken kernel's output compares like
+    np.savez(goldens / "moe" / "golden.npz", **arrays)
+    monkeypatch.setattr(doctor, "GOLDENS", str(goldens))
+    report = doctor.run_doctor("CPU", quick=True, only=[6], echo=lambda line: None)
+    assert report["checks"][0]["status"] == "FAIL" and "device_vs_golden" in report["checks"][0]["reason"]

@@ -240,3 +240,18 @@ def test_one_token_answers_share_one_row(base_lm, monkeypatch):
     alone = [base_lm._loglikelihood_tokens([(None, context, a)], True)[0] for a in answers]
     assert [g for _, g in together] == [g for _, g in alone]
     np.testing.assert_allclose([ll for ll, _ in together], [ll for ll, _ in alone], rtol=0, atol=1e-5)
+
+
+def test_edge_requests_templates_and_lengths(base_lm):
+    """An empty continuation scores log 1 and greedy; a continued final message stops where its
+    text ends in the built-in template; a template that refuses system turns is tried without
+    them; a context length past the model's positions is refused."""
+    assert base_lm._loglikelihood_tokens([(None, [5, 6], [])], True) == [(0.0, True)]
+    plain = MindQwenLM(base_lm.model, tokenizer=base_lm.tokenizer)  # no folder: the built-in template
+    chat = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Sure"}]
+    assert plain.apply_chat_template(chat, add_generation_prompt=False).endswith("<|im_start|>assistant\nSure")
+    plain.template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+                      "{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    assert plain.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == "U|"
+    with pytest.raises(ValueError, match="max_length must be in 2..256"):
+        MindQwenLM(base_lm.model, tokenizer=base_lm.tokenizer, max_length=1024)
