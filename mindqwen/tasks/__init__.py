@@ -63,6 +63,19 @@ def run_eval(recipe: Recipe, model: nn.Cell, tokenizer_file: Optional[str]) -> d
     return evaluate_section(recipe.eval, model, eval_tokenizer(recipe, tokenizer_file))
 
 
+def finish_run(task: Task, model: nn.Cell, summary: dict) -> dict:
+    """The end of a task's ``train``: the recipe's benchmarks (``eval``), its export, and
+    ``summary.json`` in ``trainer.output_dir``; returns the summary."""
+    from mindqwen.io.jsonfile import write_json
+    recipe, out = task.recipe, task.recipe.trainer.output_dir
+    if recipe.eval is not None:
+        summary["eval"] = run_eval(recipe, model, task.tokenizer_file())
+    if recipe.export.enabled:
+        summary["export"] = task.export(model, os.path.join(out, "export"))
+    write_json(os.path.join(out, "summary.json"), summary)
+    return summary
+
+
 def task_for(recipe: Recipe, source: str = "recipe") -> Task:
     """The task of ``recipe``'s kind.
 

@@ -18,10 +18,9 @@ from mindqwen.data.tokenizer import SentencePieceTokenizer
 from mindqwen.evaluate import exact_match
 from mindqwen.export import export_model
 from mindqwen.io.hf import no_init_parameters
-from mindqwen.io.jsonfile import write_json
 from mindqwen.lora import apply_lora, is_target, load_adapter
 from mindqwen.models.qwen import ExpertLinear, Linear, QwenForCausalLM
-from mindqwen.tasks import run_eval
+from mindqwen.tasks import finish_run
 from mindqwen.train.distributed import check_model_layout
 from mindqwen.train.loop import fit
 from mindqwen.train.model import build_model
@@ -95,12 +94,7 @@ class CausalLMTask:
                                   for (p, r), a in zip(eval_pairs[:SAMPLES], answers)]
             for s in summary["samples"]:
                 print(f"  {s['prompt']}{s['answer']}   (reference:{s['reference']})")
-        if recipe.eval is not None:
-            summary["eval"] = run_eval(recipe, model, self.tokenizer_file())
-        if recipe.export.enabled:
-            summary["export"] = self.export(model, os.path.join(out, "export"))
-        write_json(os.path.join(out, "summary.json"), summary)
-        return summary
+        return finish_run(self, model, summary)
 
     def _pretrain(self, model: QwenForCausalLM, data: DataSection, tokenizer) -> dict:
         """The ``pretrain`` stage: full weights on ``data.pretrain``, into ``<output_dir>/pretrain``."""

@@ -28,7 +28,7 @@ from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.preference import (PreferenceLoss, frozen_copy, preference_accuracy, reference_view,
                                  sequence_log_probs)
 from mindqwen.tasks.causal_lm import CausalLMTask, check_lora
-from mindqwen.tasks import run_eval
+from mindqwen.tasks import finish_run
 from mindqwen.train.loop import fit
 from mindqwen.train.model import build_model
 from mindqwen.train.recipe import DataSection, Recipe, RecipeError
@@ -105,12 +105,7 @@ class PreferenceTask:
         summary["train"] = fit(model, train_set, recipe.trainer, eval_set, recipe_text, recipe.parallel,
                                loss_net=loss_net)
         self._held_out(summary, "after", model, tokenizer, eval_set, eval_texts)
-        if recipe.eval is not None:
-            summary["eval"] = run_eval(recipe, model, self.tokenizer_file())
-        if recipe.export.enabled:
-            summary["export"] = self.export(model, os.path.join(out, "export"))
-        write_json(os.path.join(out, "summary.json"), summary)
-        return summary
+        return finish_run(self, model, summary)
 
     def _held_out(self, summary: dict, when: str, model, tokenizer, eval_set, texts) -> None:
         """Held-out preference accuracy (the chosen response likelier per token) and exact match
