@@ -11,7 +11,7 @@ from mindqwen import backend
 
 backend.prepare_process()
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "mindqwen.config": ["ConfigError", "ExecutionOptions", "QwenConfig"],

@@ -388,7 +388,7 @@ def cmd_preprocess(argv: List[str]) -> None:
                                 "--tokenizer outputs/demo/data/tokenizer.model --seq-length 32 --workers 2")
     p.add_argument("inputs", nargs="+", help=".jsonl files (or .json arrays): {\"text\"} records (--kind text) or {\"messages\"} / "
                                              "{\"instruction\", \"input\", \"output\"} / {\"prompt\", \"response\"} (--kind sft)")
-    p.add_argument("--output", required=True, help="folder to create: input_ids.npy, labels.npy, manifest.json")
+    p.add_argument("--output", required=True, help="folder to create: input_ids.npy, labels.npy, position_ids.npy (text, sft), manifest.json")
     p.add_argument("--tokenizer", required=True, help="Qwen HF folder, qwen.tiktoken, or SentencePiece .model")
     p.add_argument("--kind", default="text", choices=["text", "sft", "preference"],
                    help="preference: chosen / rejected pairs (docs/training.md), rows [pairs, 2, seq_length]")

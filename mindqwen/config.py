@@ -20,7 +20,10 @@ ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "QWenLMHeadModel": "qwen"}
 MOE_TYPES = ("qwen2_moe", "qwen3_moe")
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# Keys each scaled rope type needs beside rope_type (yarn's factor may come from the two lengths).
+ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 # The loss holds one (rows, vocab) fp32 block of logits at a time, of at most 2^25 elements
 # (128 MB): 220 rows at Qwen's 151,936-token vocabulary, where one 512-token row is 311 MB.
 LOSS_CHUNK_ELEMENTS = 1 << 25
@@ -45,7 +48,8 @@ class QwenConfig:
         qkv_bias: bias on q/k/v projections (Qwen2: always; Qwen3: ``attention_bias``).
         o_bias: bias on the output projection (Qwen3 ``attention_bias`` only).
         qk_norm: RMSNorm over ``head_dim`` on queries and keys before RoPE (Qwen3).
-        rope_scaling: ``None`` or an HF dict with ``rope_type`` in default | linear | dynamic | yarn.
+        rope_scaling: ``None`` or an HF dict with ``rope_type`` in default | linear | dynamic | yarn |
+            llama3; it also sets ``context_length``, the longest sequence the model runs.
         use_sliding_window / sliding_window / max_window_layers / layer_types: HF semantics; layers
             whose type is "sliding_attention" let a query at position q see keys k with
             ``q - sliding_window < k <= q``.
@@ -147,11 +151,17 @@ class QwenConfig:
         if rope_type not in ROPE_TYPES:
             raise ConfigError(f"rope_scaling.rope_type={rope_type!r} is not supported; "
                               f"supported: {', '.join(ROPE_TYPES)}")
-        needs_factor = rope_type in ("linear", "dynamic") or (
+        missing = [k for k in ROPE_REQUIRED_KEYS.get(rope_type, ()) if rs.get(k) is None]
+        if missing:
+            raise ConfigError(f"rope_scaling with rope_type={rope_type!r} needs {', '.join(missing)}")
+        needs_factor = rope_type in ("linear", "dynamic", "llama3") or (
             rope_type == "yarn" and not rs.get("original_max_position_embeddings"))
         if needs_factor and not (rs.get("factor") or 0) >= 1:
             raise ConfigError(f"rope_scaling.factor must be >= 1 for rope_type={rope_type!r}, "
                               f"got {rs.get('factor')!r}")
+        if rope_type == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
+            raise ConfigError(f"rope_scaling.high_freq_factor={rs['high_freq_factor']} must exceed "
+                              f"low_freq_factor={rs['low_freq_factor']}")
         self.rope_scaling = {**rs, "rope_type": rope_type}
 
     def _check_sliding_window(self) -> None:
@@ -247,12 +257,41 @@ class QwenConfig:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
 
-    # ------------------------------------------------------------------ rotary tables
+    # ------------------------------------------------------------------ rotary positions
+    @property
+    def context_length(self) -> int:
+        """The longest sequence (prompt and generated tokens) the model runs: ``max_position_embeddings``,
+        or, with ``rope_scaling``, ``factor`` times the length it stretches when that is longer
+        (``original_max_position_embeddings`` for yarn and llama3, ``max_position_embeddings`` for
+        linear and dynamic). Qwen2.5 / Qwen3 with yarn, factor 4 over 32768: 131072."""
+        stretched = self._stretched()
+        scaled = int(self.rope_scaling["factor"] * stretched[1]) if stretched else 0
+        return max(self.max_position_embeddings, scaled)
+
+    @property
+    def context_rule(self) -> str:
+        """How ``context_length`` follows from the config, for messages ("max_position_embeddings",
+        "rope_scaling yarn: factor 4 × original_max_position_embeddings 32768")."""
+        if self.context_length == self.max_position_embeddings:
+            return "max_position_embeddings"
+        (name, value), rs = self._stretched(), self.rope_scaling
+        return f"rope_scaling {rs['rope_type']}: factor {rs['factor']:g} × {name} {value}"
+
+    def _stretched(self) -> Optional[tuple]:
+        """(name, value) of the length ``rope_scaling.factor`` stretches; None without a factor."""
+        rs = self.rope_scaling
+        if not rs or rs["rope_type"] == "default" or not rs.get("factor"):
+            return None
+        if rs["rope_type"] in ("yarn", "llama3") and rs.get("original_max_position_embeddings"):
+            return "original_max_position_embeddings", rs["original_max_position_embeddings"]
+        return "max_position_embeddings", self.max_position_embeddings
+
     def rope_inv_freq(self) -> tuple:
         """Inverse frequencies [head_dim/2] (float32) and the attention scaling of the rotary table.
 
-        Follows transformers' ``ROPE_INIT_FUNCTIONS``; ``dynamic`` rescales the base at run time
-        (see ``models/qwen.py``), so here it returns the unscaled table.
+        Follows transformers' ``ROPE_INIT_FUNCTIONS`` in float32, as it rounds; ``dynamic``
+        rescales the base at run time (see ``models/qwen.py``), so here it returns the unscaled
+        frequencies.
         """
         d = self.head_dim
         exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
@@ -263,6 +302,8 @@ class QwenConfig:
             return (inv_freq / np.float32(rs["factor"])).astype(np.float32), 1.0
         if rope_type == "yarn":
             return _yarn(self, rs)
+        if rope_type == "llama3":
+            return _llama3(inv_freq, rs), 1.0
         return inv_freq, 1.0
 
     # ------------------------------------------------------------------ HF interop
@@ -432,6 +473,21 @@ def _yarn(cfg: QwenConfig, rs: Dict[str, Any]) -> tuple:
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+def _llama3(inv_freq: np.ndarray, rs: Dict[str, Any]) -> np.ndarray:
+    """Llama 3.1 inverse frequencies (transformers ``_compute_llama3_parameters``), float32: wavelengths
+    shorter than ``original / high_freq_factor`` keep their frequency, those longer than
+    ``original / low_freq_factor`` are divided by ``factor``, and the band between is blended."""
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    original = rs["original_max_position_embeddings"]
+    # A number divided by a torch tensor is its reciprocal times the number: rounded as such here.
+    wavelen = (1 / inv_freq) * np.float32(2 * math.pi)
+    scaled = np.where(wavelen > original / low, inv_freq / np.float32(factor), inv_freq)
+    smooth = ((1 / wavelen) * np.float32(original) - np.float32(low)) / np.float32(high - low)
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
 LOW_DTYPES = ("float16", "bfloat16")
 
 
@@ -447,34 +503,31 @@ class ExecutionOptions:
     Attributes:
         compute_dtype: "float16" | "bfloat16": the dtype of every matmul (AMP O1–O3); None: the weights'.
         hidden_dtype: the residual stream's dtype between layers (AMP O2/O3); None: the weights'.
-        document_eos_id: an EOS id that ends a packed document: positions restart after it and
-            attention stays inside each document; None: a row is one document.
         capacity_multiple: a mixture of experts' capacity rounded up to a multiple of this (the
             devices that split an expert group's tokens).
         batched_experts: run the exact (no-capacity) expert path as (E, N, H) batches too, so
             every graph slices the stacked expert weights alike (expert sharding).
         loss_chunk_rows: rows of logits per block of the chunked loss; None: the config's
             (``QwenConfig.loss_chunk_rows``); 0: all rows at once (a sharded head matmul).
+        rotary_table: N: rotary cos/sin gathered from a table of positions 0..N-1 built once,
+            so the graph holds no float64 op and no raw angle (exported graphs, whose cache
+            holds N positions); None: computed per call, for any position.
     """
 
     compute_dtype: Optional[str] = None
     hidden_dtype: Optional[str] = None
-    document_eos_id: Optional[int] = None
     capacity_multiple: int = 1
     batched_experts: bool = False
     loss_chunk_rows: Optional[int] = None
+    rotary_table: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "hidden_dtype"):
             if getattr(self, name) not in (None,) + LOW_DTYPES:
                 raise ConfigError(f"{name} must be None or one of {', '.join(LOW_DTYPES)}, got {getattr(self, name)!r}")
-        if self.document_eos_id is not None and (isinstance(self.document_eos_id, bool)
-                                                 or not isinstance(self.document_eos_id, (int, np.integer))
-                                                 or self.document_eos_id < 0):
-            raise ConfigError(f"document_eos_id must be a token id >= 0 or None, got {self.document_eos_id!r}")
-        if self.document_eos_id is not None:  # a numpy integer from a tokenizer is kept as an int
-            object.__setattr__(self, "document_eos_id", int(self.document_eos_id))
         if not isinstance(self.capacity_multiple, int) or self.capacity_multiple < 1:
             raise ConfigError(f"capacity_multiple must be an integer >= 1, got {self.capacity_multiple!r}")
         if self.loss_chunk_rows is not None and (not isinstance(self.loss_chunk_rows, int) or self.loss_chunk_rows < 0):
             raise ConfigError(f"loss_chunk_rows must be None or an integer >= 0, got {self.loss_chunk_rows!r}")
+        if self.rotary_table is not None and (not isinstance(self.rotary_table, int) or self.rotary_table < 1):
+            raise ConfigError(f"rotary_table must be None or a number of positions >= 1, got {self.rotary_table!r}")

@@ -403,7 +403,6 @@ class SlotBatch:
                  output_filter: Optional[OutputFilter] = None):
         self.steps, self.max_rows, self.shrink = steps, max_rows, shrink
         self.tokenizer, self.filter = tokenizer, output_filter
-        self.max_positions = steps.config.max_position_embeddings
         self.rows: List[Optional[_Row]] = []  # one per cache row; None = free
         self.k = self.v = None  # (L, R, KV, C, D) in the model's dtype
         self.images = ()  # multimodal: cross-attention keys and values (C, R, heads, Nv, D)
@@ -439,9 +438,10 @@ class SlotBatch:
             n, m = len(row.prompt), row.config.max_new_tokens
             if n == 0:
                 raise ValueError(f"prompt {row.owner!r} is empty: every prompt needs at least one token")
-            if n + m > self.max_positions:
-                raise ValueError(f"prompt {row.owner!r}: {n} tokens + max_new_tokens {m} exceeds the model's "
-                                 f"max_position_embeddings ({self.max_positions})")
+            model_config = self.steps.config
+            if n + m > model_config.context_length:
+                raise ValueError(f"prompt {row.owner!r}: {n} tokens + max_new_tokens {m} = {n + m} exceeds the model's "
+                                 f"{model_config.context_length} positions ({model_config.context_rule})")
         if sum(r.config.max_new_tokens > 0 for r in rows) > self.room:
             raise ValueError(f"{len(rows)} prompts cannot join: room for {self.room}")
         self.done += [r for r in rows if r.config.max_new_tokens == 0]

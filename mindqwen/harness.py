@@ -16,9 +16,11 @@ Needs the ``eval`` extra (``pip install mindqwen[eval]``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import subprocess
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mindspore as ms
@@ -80,7 +82,7 @@ class MindQwenLM(TemplateLM):
             SentencePiece ``.model``); default: the one in the ``pretrained`` folder.
         adapter: a PEFT LoRA adapter folder loaded on top (unmerged).
         batch_size: rows per forward pass (and generation batch).
-        max_length: the context length L (default: the model's ``max_position_embeddings``).
+        max_length: the context length L (default: the model's ``context_length``).
         max_gen_toks: tokens to generate when a task does not say.
         seed: seeds sampling (the i-th generation batch draws from seed + i).
         device, max_batch_size: accepted from the harness's command line and ignored (the device
@@ -104,10 +106,11 @@ class MindQwenLM(TemplateLM):
             raise ValueError(f"batch_size must be a whole number of rows, got {batch_size!r}") from None
         if self._batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self._batch_size}")
-        self._max_length = int(max_length or self.model.config.max_position_embeddings)
-        if not 1 < self._max_length <= self.model.config.max_position_embeddings:
-            raise ValueError(f"max_length must be in 2..{self.model.config.max_position_embeddings} (the model's "
-                             f"max_position_embeddings), got {self._max_length}")
+        config = self.model.config
+        self._max_length = int(max_length or config.context_length)
+        if not 1 < self._max_length <= config.context_length:
+            raise ValueError(f"max_length must be in 2..{config.context_length} (the model's "
+                             f"{config.context_rule}), got {self._max_length}")
         self._max_gen_toks, self.seed = int(max_gen_toks), int(seed)
         self.model.set_train(False)
 
@@ -305,9 +308,35 @@ def evaluate_tasks(lm: MindQwenLM, tasks: Sequence[str], num_fewshot: Optional[i
     if fewshot_as_multiturn and not apply_chat_template:
         raise ValueError("fewshot_as_multiturn puts few-shot examples in chat turns: it needs apply_chat_template")
     manager = check_tasks(tasks, include_path, limit)
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                   task_manager=manager, apply_chat_template=apply_chat_template,
-                                   fewshot_as_multiturn=fewshot_as_multiturn, log_samples=log_samples)
+    with _quiet_git_probe():
+        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                       task_manager=manager, apply_chat_template=apply_chat_template,
+                                       fewshot_as_multiturn=fewshot_as_multiturn, log_samples=log_samples)
+
+
+@contextlib.contextmanager
+def _quiet_git_probe():
+    """``simple_evaluate`` records the working directory's git commit (its results' ``git_hash``)
+    by running ``git describe`` with git's stderr left on the terminal: outside a repository the
+    user sees ``fatal: not a git repository`` (lm-eval 0.4.13, ``evaluator.get_git_commit_hash``).
+    Within this block the same probe runs with git's stderr discarded."""
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_hash() -> Optional[str]:  # lm-eval's, with stderr=DEVNULL
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    probe = getattr(evaluator, "get_git_commit_hash", None)  # None: another lm-eval, left alone
+    if probe is not None:
+        evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        if probe is not None:
+            evaluator.get_git_commit_hash = probe
 
 
 def check_tasks(tasks: Sequence[str], include_path: Optional[str] = None, limit: Optional[float] = None):

@@ -154,7 +154,8 @@ class PreferenceLoss(nn.Cell):
             adapters off, or a frozen copy): ``prepare`` adds them to each batch before the step,
             from a graph of their own (no backward, and its memory is free again when the step
             runs); None: the batch brings them (computed before training), or the loss needs
-            none (SimPO, ORPO).
+            none (SimPO, ORPO). A loss that needs them refuses a batch without them
+            (``ValueError``, naming the loss type), never reading them as zeros.
     """
 
     reported = REPORTED
@@ -163,13 +164,37 @@ class PreferenceLoss(nn.Cell):
         super().__init__(auto_prefix=False)
         self.policy, self.config = policy, config
         self.reference = SequenceLogProbs(reference) if reference is not None and config.uses_reference else None
+        # Why a batch without reference log-probs is refused (None: it is not): a loss that compares
+        # with a reference, built without a reference model, never stands in zeros for one.
+        self.missing_reference = None if self.reference is not None or not config.uses_reference else (
+            f"preference loss {config.loss_type!r} needs reference log-probs, and this PreferenceLoss has no "
+            "reference model to compute them: give the data reference_logps (N, 2) (sequence_log_probs under "
+            "the reference, for every split it trains or evaluates on), or PreferenceLoss(policy, config, "
+            "reference) with reference_view(model) (LoRA: the adapters off) or frozen_copy(model); simpo and "
+            "orpo need none")
+
+    def check_reference(self, *splits) -> None:
+        """Refuse, before training, data this loss would find no reference log-probs for.
+
+        Raises:
+            ValueError: a split (a ``TokenDataset``; None is skipped) has no ``reference_logps``
+                and the loss needs them (``missing_reference``).
+        """
+        if self.missing_reference and any(d is not None and d.reference_logps is None for d in splits):
+            raise ValueError(self.missing_reference)
 
     def prepare(self, batch: tuple) -> tuple:
         """Host side, before each step (``Stepper``) and evaluation: ``batch`` with its pairs'
-        reference log-probs, when this loss computes them."""
-        if self.reference is None or len(batch) > 2:
+        reference log-probs, when this loss computes them.
+
+        Raises:
+            ValueError: the loss needs reference log-probs, and neither this loss nor ``batch`` has them.
+        """
+        if len(batch) > 2:
             return batch
-        return tuple(batch) + (self.reference(*batch[:2])[0],)
+        if self.missing_reference:
+            raise ValueError(self.missing_reference)
+        return batch if self.reference is None else tuple(batch) + (self.reference(*batch[:2])[0],)
 
     def construct(self, input_ids, labels, reference_logps=None):
         b = input_ids.shape[0]
@@ -177,8 +202,10 @@ class PreferenceLoss(nn.Cell):
         lab = labels.swapaxes(0, 1).reshape(2 * b, -1)
         logps = self.policy.token_log_probs(ids, lab).sum(-1)  # (2B,)
         counts = ops.maximum((lab[:, 1:] != IGNORE_INDEX).astype(ms.float32).sum(-1), 1.0)
-        if reference_logps is None:  # SimPO, ORPO
-            ref = ops.zeros_like(logps)
+        if reference_logps is None:
+            if self.missing_reference:  # a call that skipped ``prepare`` (compile-time constant)
+                raise ValueError(self.missing_reference)
+            ref = ops.zeros_like(logps)  # SimPO, ORPO: not read
         else:
             ref = reference_logps.swapaxes(0, 1).reshape(-1).astype(ms.float32)
         return preference_loss(self.config, logps[:b], logps[b:], ref[:b], ref[b:], counts[:b], counts[b:])

@@ -73,7 +73,7 @@ def test_rope_frequencies_match_hf(name):
 @pytest.mark.parametrize("name,length", [("yarn", 300), ("yarn_orig64", 300), ("dynamic", 100),
                                          ("dynamic", 400)])
 def test_rope_tables_match_hf(name, length, mode):
-    rotary = RotaryEmbedding(_rope_config(name), max_len=length)  # table covers the positions
+    rotary = RotaryEmbedding(_rope_config(name))  # computed per call, for any position
     cos, sin = rotary(ms.Tensor(np.arange(length, dtype=np.int32)[None]))
     # HF's own fp32 angles are ~1e-5 off float64 near position 400 (dynamic is computed in-graph).
     tol = 2e-5 if name == "dynamic" else 1e-6
@@ -81,30 +81,27 @@ def test_rope_tables_match_hf(name, length, mode):
     np.testing.assert_allclose(sin.asnumpy()[:, 0], EXTRA[f"rope/{name}/sin_{length}"], atol=tol)
 
 
-def test_packed_documents_equal_each_document_alone(mode):
-    """Two documents packed in one row, separated by EOS, with document boundaries on: each
-    document's logits equal the model run on that document alone (positions restart, no
-    attention across documents); without boundaries the second document differs."""
-    import mindspore as ms
-    from mindqwen.models.graph import configure
+def test_packed_samples_equal_each_sample_alone(mode):
+    """Three samples packed in one row with their positions (0 where each starts): each sample's
+    logits equal the model run on that sample alone (positions restart, no attention across
+    samples); without the positions the second sample differs. Padding after them, as a sample
+    of its own or masked out, changes nothing."""
     model = from_pretrained(fixture_path("qwen3_tiny", "base"))
-    eos = 7
     rng = np.random.default_rng(0)
-    a = np.append(rng.integers(10, 500, 5), eos)
-    b = np.append(rng.integers(10, 500, 6), eos)
-    row = np.concatenate([a, b, [3, 4]])[None].astype(np.int32)  # a tail document without EOS
-    alone = [model(ms.Tensor(d[None].astype(np.int32))).asnumpy()[0] for d in (a, b, np.array([3, 4]))]
+    samples = [rng.integers(10, 500, n).astype(np.int32) for n in (6, 7, 2)]
+    row = np.concatenate(samples)[None]
+    positions = np.concatenate([np.arange(len(d)) for d in samples])[None].astype(np.int32)
+    alone = [model(ms.Tensor(d[None])).asnumpy()[0] for d in samples]
     plain = model(ms.Tensor(row)).asnumpy()[0]
-    configure(model, document_eos_id=eos)
-    packed = model(ms.Tensor(row)).asnumpy()[0]
-    na, nb = len(a), len(b)
-    np.testing.assert_allclose(packed[:na], alone[0], atol=2e-5)
-    np.testing.assert_allclose(packed[na:na + nb], alone[1], atol=2e-5)
-    np.testing.assert_allclose(packed[na + nb:], alone[2], atol=2e-5)
-    assert np.abs(plain[na:na + nb] - alone[1]).max() > 1e-2  # the boundary matters
-    # with right padding as well: padded keys are ignored, the documents are unchanged
+    packed = model(ms.Tensor(row), None, None, ms.Tensor(positions)).asnumpy()[0]
+    ends = np.cumsum([len(d) for d in samples])
+    for d, logits, end in zip(samples, alone, ends):
+        np.testing.assert_allclose(packed[end - len(d):end], logits, atol=2e-5)
+    assert np.abs(plain[ends[0]:ends[1]] - alone[1]).max() > 1e-2  # the boundary matters
     n = row.shape[1]
-    mask = np.ones((1, n + 2), np.int32)
-    mask[0, n:] = 0
-    padded = model(ms.Tensor(np.concatenate([row, [[0, 0]]], 1).astype(np.int32)), ms.Tensor(mask)).asnumpy()[0]
-    np.testing.assert_allclose(padded[:n], packed, atol=2e-5)
+    padded_row = ms.Tensor(np.concatenate([row, [[0, 0, 0]]], 1).astype(np.int32))
+    as_sample = ms.Tensor(np.concatenate([positions, [[0, 1, 2]]], 1).astype(np.int32))  # the packer's padding
+    masked = ms.Tensor((np.arange(n + 3) < n).astype(np.int32)[None])
+    for mask in (None, masked):
+        padded = model(padded_row, mask, None, as_sample).asnumpy()[0]
+        np.testing.assert_allclose(padded[:n], packed, atol=2e-5)

@@ -219,7 +219,7 @@ def test_unsupported_architecture(tmp_path):
     ({"num_attention_heads": 5}, "hidden_size=64 is not divisible by num_attention_heads=5"),
     ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type='longrope' is not supported"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, "rope_scaling.factor must be >= 1"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, "rope_scaling with rope_type=.linear. needs factor"),
     ({"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0, "layer_types": None},
      "sliding_window is not a positive integer"),
 ])

@@ -255,7 +255,7 @@ def check_jsonl(tmp_path_factory, sp_model, case):
             assert f"in.jsonl:{first_bad}: " in line, line
         if code == 0:
             assert f"skipped {len(lines) - good}" in out and sorted(os.listdir(out_dir)) == [
-                "input_ids.npy", "labels.npy", "manifest.json"]
+                "input_ids.npy", "labels.npy", "manifest.json", "position_ids.npy"]
             assert json.loads((out_dir / "manifest.json").read_text())["documents"] == good
         else:
             assert not out_dir.exists()

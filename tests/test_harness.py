@@ -148,6 +148,19 @@ def _pynative():
     return in_mode(ms.PYNATIVE_MODE)
 
 
+def test_outside_a_git_repository_evaluation_prints_no_git_error(base_lm, tasks, tmp_path, monkeypatch, capfd):
+    """lm-eval probes the working directory's git commit with ``git describe``; outside a
+    repository git's ``fatal: not a git repository`` must not reach the user's terminal."""
+    from lm_eval import evaluator
+    monkeypatch.chdir(tmp_path)
+    probe = evaluator.get_git_commit_hash
+    probe()  # the harness's own probe prints it here (the check below is not vacuous)
+    assert "not a git repository" in capfd.readouterr().err
+    results = evaluate_tasks(base_lm, ["mq_greedy"], limit=2, include_path=tasks)
+    assert "not a git repository" not in capfd.readouterr().err
+    assert results["git_hash"] is None and evaluator.get_git_commit_hash is probe  # recorded as before; restored
+
+
 def test_rows_are_padded_to_few_lengths():
     assert [length_bucket(n, 256) for n in (1, 32, 33, 100, 200, 256)] == [16, 32, 48, 112, 224, 256]
     assert length_bucket(5000, 32768) == 8192 and length_bucket(300, 300) == 300

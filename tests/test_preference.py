@@ -238,3 +238,38 @@ def test_preference_recipe_runs_end_to_end_and_reuses_its_precomputed_reference(
         task_for(load_recipe("demo/preference", settings + ["preference.reference=adapter_off"])).validate("r")
     with pytest.raises(RecipeError, match=r"cannot use pretrain \(preference tuning starts from a trained model"):
         task_for(load_recipe("demo/preference", settings + ["pretrain.max_steps=100"])).validate("r")
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "hinge", "ipo"])
+def test_a_loss_that_needs_a_reference_refuses_pairs_without_one_by_name(loss_type, tmp_path):
+    """Built without a reference model, on pairs without reference_logps: refused (fit before any
+    step, ``prepare``, a direct call), never trained against a zero reference."""
+    from mindqwen import TrainerConfig, fit
+    from mindqwen.data.loader import TokenDataset
+    from mindqwen.preference import default_preference_loss
+    model = _lora_model()
+    net = PreferenceLoss(model, PreferenceConfig(loss_type), None)
+    ids, labels = _batch()
+    batch = (Tensor(ids), Tensor(labels))
+    refused = rf"preference loss '{loss_type}' needs reference log-probs.*reference_logps.*reference_view"
+    with pytest.raises(ValueError, match=refused):
+        fit(model, TokenDataset(ids, labels), TrainerConfig(max_steps=1, micro_batch_size=3,
+                                                            output_dir=str(tmp_path / "run"), progress=False),
+            loss_net=net)
+    assert not (tmp_path / "run").exists()  # refused before the run started
+    with pytest.raises(ValueError, match=refused):
+        net.prepare(batch)
+    with in_mode(ms.GRAPH_MODE), pytest.raises(ValueError, match=refused):
+        net(*batch)
+    # the paths that give a reference: the data's log-probs (every split), the adapters off, none needed
+    logps = np.stack(_golden_logps("lora", "ref"), 1)
+    with_ref = TokenDataset(ids, labels, reference_logps=logps)
+    assert len(net.prepare(batch + (Tensor(logps),))) == 3
+    net.check_reference(with_ref, None)
+    with pytest.raises(ValueError, match=refused):  # the eval split without them
+        net.check_reference(with_ref, TokenDataset(ids, labels))
+    from_data = default_preference_loss(model, with_ref, PreferenceConfig(loss_type))
+    assert from_data.reference is None and from_data.prepare(batch + (Tensor(logps),))[2] is not None
+    adapters_off = default_preference_loss(model, TokenDataset(ids, labels), PreferenceConfig(loss_type))
+    assert adapters_off.missing_reference is None and len(adapters_off.prepare(batch)) == 3
+    assert PreferenceLoss(model, PreferenceConfig("simpo"), None).prepare(batch) == batch

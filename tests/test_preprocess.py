@@ -41,7 +41,7 @@ def test_one_and_four_workers_write_identical_files(hf_folder, text_file, tmp_pa
     path, _ = text_file
     for workers in (1, 4):
         preprocess([path], str(tmp_path / f"w{workers}"), str(hf_folder[0]), 64, "text", workers=workers, progress=False)
-    for name in ("input_ids.npy", "labels.npy", "manifest.json"):
+    for name in ("input_ids.npy", "labels.npy", "position_ids.npy", "manifest.json"):
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w4" / name).read_bytes(), name
 
 

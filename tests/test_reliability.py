@@ -147,7 +147,7 @@ def test_divergence_through_the_cli_is_one_line_exit_3(tmp_path):
     ("trainer.lr=.nan", "trainer.lr must be a finite number"),
     ("model.dtype=float64", "model.dtype must be one of float32, float16, bfloat16"),
     ("data.seq_length=24", "expected integer token rows [examples, 24]"),
-    ("data.seq_length=1000000000", "data.seq_length=1000000000 exceeds the model's max_position_embeddings=64"),
+    ("data.seq_length=1000000000", "data.seq_length=1000000000 exceeds the model's 64 positions (max_position_embeddings)"),
     ("trainer.max_steps=1000000000000000000000", "trainer.max_steps=1000000000000000000000 is out of range"),
     ("trainer.micro_batch_size=17", "16 examples, fewer than one global batch"),
     ("model.config.hidden_sise=8", "unknown key model.config.hidden_sise; did you mean model.config.hidden_size?"),

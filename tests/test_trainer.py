@@ -35,16 +35,26 @@ def batch(n=8, seq=24, seed=1):
     return ids
 
 
-def run_steps(model, steps, micro, optimizer=None, precision=None, clip=1.0, ids=None):
+def run_steps(model, steps, micro, optimizer=None, precision=None, clip=1.0, ids=None, labels=None, lr=3e-3):
     precision = precision or PrecisionConfig()
     apply_precision(model, precision)
-    optimizer = optimizer or make_optimizer(model.trainable_params(), WarmupSchedule("constant", 1e-3, 100))
+    optimizer = optimizer or make_optimizer(model.trainable_params(), WarmupSchedule("constant", lr, 100))
     scaler = make_loss_scaler(precision)
     stepper = Stepper(model, optimizer, scaler, micro, clip, precision.uses_loss_scaling)
     ids = batch() if ids is None else ids
-    chunks = np.split(ids, micro)
-    out = [stepper([(ms.Tensor(c), ms.Tensor(c)) for c in chunks]) for _ in range(steps)]
+    labels = ids if labels is None else labels
+    chunks = zip(np.split(ids, micro), np.split(labels, micro))
+    batches = [(ms.Tensor(i), ms.Tensor(l)) for i, l in chunks]
+    out = [stepper(batches) for _ in range(steps)]
     return out, scaler
+
+
+def unequal_labels(ids):
+    """Labels of ``ids`` whose first half of rows carry 2 label tokens each and the rest all of
+    theirs: micro-batches cut from them hold very different numbers of label tokens."""
+    labels = ids.copy()
+    labels[: len(ids) // 2, :-3] = -100
+    return labels
 
 
 def test_graph_steps_decrease_the_loss_and_match_pynative():
@@ -61,23 +71,30 @@ def test_graph_steps_decrease_the_loss_and_match_pynative():
 
 
 def test_accumulating_four_micro_batches_equals_one_full_batch(mode):
-    """SGD isolates the accumulation (update = lr·g); AdamW's first steps divide by |g|, which
-    magnifies last-bit differences of near-zero gradients, so it gets a looser bound."""
-    params = {}
+    """Micro-batches with unequal label counts: accumulation weighs every label token alike, so
+    losses and weights equal one batch of the same rows. SGD isolates the accumulation (update =
+    lr·g); AdamW's first steps divide by |g|, which magnifies last-bit differences of near-zero
+    gradients, so it gets a looser bound."""
+    ids = batch()
+    labels = unequal_labels(ids)
+    params, losses = {}, {}
     for micro in (1, 4):
         model = lora_model()
-        out, _ = run_steps(model, 3, micro, optimizer=nn.SGD(model.trainable_params(), learning_rate=0.5))
+        out, _ = run_steps(model, 3, micro, optimizer=nn.SGD(model.trainable_params(), learning_rate=0.5),
+                           ids=ids, labels=labels)
         params[micro] = {p.name: p.asnumpy() for p in model.trainable_params()}
+        losses[micro] = np.array([o[0] for o in out])
         assert all(o[1] for o in out)
     sgd = max(np.abs(params[1][k] - params[4][k]).max() for k in params[1])
+    loss = np.abs(losses[1] - losses[4]).max()
     params = {}
     for micro in (1, 4):
         model = lora_model()
-        run_steps(model, 3, micro)
+        run_steps(model, 3, micro, ids=ids, labels=labels)
         params[micro] = {p.name: p.asnumpy() for p in model.trainable_params()}
     adam = max(np.abs(params[1][k] - params[4][k]).max() for k in params[1])
-    print(f"4×B2 vs B8 after 3 steps: SGD {sgd:.1e}, AdamW {adam:.1e}")
-    assert sgd <= 1e-6 and adam <= 1e-5
+    print(f"4×B2 vs B8 after 3 steps: loss {loss:.1e}, SGD {sgd:.1e}, AdamW {adam:.1e}")
+    assert loss <= 1e-5 and sgd <= 1e-6 and adam <= 1e-5
 
 
 def test_forced_overflow_skips_the_update_and_halves_the_scale(mode):
@@ -116,7 +133,7 @@ def test_overflows_are_counted_in_metrics(tmp_path):
 def test_o2_fp16_tracks_fp32_over_50_steps(tmp_path):
     curves = {}
     for level in ("O0", "O2"):
-        config = TrainerConfig(max_steps=50, micro_batch_size=4, lr=1e-3, schedule="constant", progress=False,
+        config = TrainerConfig(max_steps=50, micro_batch_size=4, lr=3e-3, schedule="constant", progress=False,
                                output_dir=str(tmp_path / level), precision=PrecisionConfig(level=level))
         fit(lora_model(8), TokenDataset(RNG_DATA[:16]), config)
         curves[level] = np.array([json.loads(line)["loss"] for line in open(tmp_path / level / "metrics.jsonl")])

@@ -10,22 +10,30 @@ from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.data.loader import IGNORE_INDEX, TokenDataset, sample_positions
 from mindqwen.io.textfile import read_lines
 
 Pair = Tuple[str, str]  # (prompt, response)
 
 
 def pack_text(lines: Iterable[str], tokenizer, seq_length: int) -> TokenDataset:
-    """Concatenate ``text + EOS`` for every line and cut into rows of ``seq_length`` (tail dropped)."""
+    """Concatenate ``text + EOS`` for every line and cut into rows of ``seq_length`` (tail dropped),
+    with each line's positions (``position_ids``: 0 where a line starts, and where a line cut at a
+    row's end continues)."""
     ids: List[int] = []
+    first: List[int] = []  # where each line starts
     for line in lines:
+        first.append(len(ids))
         ids.extend(tokenizer.encode(line))
         ids.append(tokenizer.eos_token_id)
     rows = len(ids) // seq_length
     if rows == 0:
         raise ValueError(f"{len(ids)} tokens cannot fill one row of seq_length={seq_length}")
-    return TokenDataset(np.asarray(ids[:rows * seq_length], np.int32).reshape(rows, seq_length))
+    starts = np.zeros(rows * seq_length, bool)
+    starts[[i for i in first if i < starts.size]] = True
+    starts[::seq_length] = True
+    return TokenDataset(np.asarray(ids[:rows * seq_length], np.int32).reshape(rows, seq_length),
+                        position_ids=sample_positions(starts.reshape(rows, seq_length)))
 
 
 def encode_pairs(pairs: Sequence[Pair], tokenizer, seq_length: int) -> TokenDataset:

@@ -20,16 +20,19 @@ IGNORE_INDEX = -100
 class TokenDataset:
     """Token rows of one length. ``labels`` default to ``input_ids`` (the model shifts them).
 
-    A batch is the tuple (input_ids, labels) or, with ``pixel_values`` (image-text rows for a
-    multimodal model), (input_ids, labels, pixel_values): the order the loss network takes them.
-    Preference pairs hold two rows per example, (N, 2, S): the chosen, then the rejected; with
-    ``reference_logps`` a batch is (input_ids, labels, reference_logps).
+    A batch is the tuple (input_ids, labels) or, with ``position_ids`` (packed rows that keep
+    their samples apart), (input_ids, labels, position_ids); with ``pixel_values`` (image-text
+    rows for a multimodal model), (input_ids, labels, pixel_values): the order the loss network
+    takes them. Preference pairs hold two rows per example, (N, 2, S): the chosen, then the
+    rejected; with ``reference_logps`` a batch is (input_ids, labels, reference_logps).
     """
 
     input_ids: np.ndarray  # (N, S) int, or (N, 2, S) for preference pairs
     labels: Optional[np.ndarray] = None  # as input_ids, -100 = no loss
     pixel_values: Optional[np.ndarray] = None  # (N, 3, H, W) or (N, T, 3, H, W) float32
     reference_logps: Optional[np.ndarray] = None  # (N, 2) float32: a pair's reference log-probs
+    # (N, S) int: each token's position in its sample, 0 where a sample starts (``sample_positions``)
+    position_ids: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids)
@@ -42,6 +45,9 @@ class TokenDataset:
         self.labels = np.asarray(self.labels)
         if self.labels.shape != self.input_ids.shape:
             raise ValueError(f"labels shape {self.labels.shape} != input_ids shape {self.input_ids.shape}")
+        if self.position_ids is not None and np.shape(self.position_ids) != self.input_ids.shape:
+            raise ValueError(f"position_ids shape {np.shape(self.position_ids)} != input_ids shape "
+                             f"{self.input_ids.shape}")
         if self.pixel_values is not None and len(self.pixel_values) != len(self.input_ids):
             raise ValueError(f"{len(self.pixel_values)} pixel_values rows for {len(self.input_ids)} token rows")
         if self.reference_logps is not None and np.shape(self.reference_logps) != (len(self.input_ids), 2):
@@ -60,12 +66,15 @@ class TokenDataset:
     @property
     def columns(self) -> List[str]:
         """Names of a batch's arrays, in order."""
-        extra = [name for name in ("pixel_values", "reference_logps") if getattr(self, name) is not None]
+        extra = [name for name in ("position_ids", "pixel_values", "reference_logps") if getattr(self, name) is not None]
         return ["input_ids", "labels"] + extra
 
     def rows(self, index: np.ndarray) -> Tuple[np.ndarray, ...]:
-        """The examples at ``index`` as a batch: int32 token arrays (and float32 pixels, reference log-probs)."""
+        """The examples at ``index`` as a batch: int32 token arrays (and positions, float32 pixels,
+        reference log-probs)."""
         batch = (self.input_ids[index].astype(np.int32), self.labels[index].astype(np.int32))
+        if self.position_ids is not None:
+            batch = batch + (self.position_ids[index].astype(np.int32),)
         for extra in (self.pixel_values, self.reference_logps):
             if extra is not None:
                 batch = batch + (np.asarray(extra[index], np.float32),)
@@ -73,6 +82,17 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+def sample_positions(starts: np.ndarray) -> np.ndarray:
+    """starts (..., S) bool, True where a sample begins → each token's position in its sample
+    (..., S) int32: 0 at every start, counting up to the next. The model keeps a token's attention
+    inside its sample from these alone (a sample starts where its position is 0), so every row
+    must start one: a sample cut at a row's end starts again at 0 in the next row."""
+    flat = starts.reshape(-1, starts.shape[-1])  # (R, S)
+    idx = np.broadcast_to(np.arange(flat.shape[1]), flat.shape)
+    last_start = np.maximum.accumulate(np.where(flat, idx, 0), axis=1)  # (R, S)
+    return (idx - last_start).astype(np.int32).reshape(starts.shape)
 
 
 class BatchLoader:

@@ -15,8 +15,9 @@ Two kinds of input, one record per line (or per element of a ``.json`` array):
 
 Workers tokenize chunks of lines; results are reassembled in input order, so the output is
 byte-identical for any worker count. Files are written to a temporary folder and renamed:
-``<out>/input_ids.npy``, ``<out>/labels.npy`` (int32 [rows, seq_length], memory-mappable) and
-``<out>/manifest.json`` (tokenizer hash, seq_length, counts, padding fraction, skipped lines).
+``<out>/input_ids.npy``, ``<out>/labels.npy`` (int32 [rows, seq_length], memory-mappable),
+``<out>/position_ids.npy`` (text and sft: each token's position in its sample, 0 where one starts)
+and ``<out>/manifest.json`` (tokenizer hash, seq_length, counts, padding fraction, skipped lines).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from tqdm import tqdm
 
-from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.data.loader import IGNORE_INDEX, sample_positions
 from mindqwen.data.tokenizer import load_tokenizer
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.textfile import iter_lines
@@ -126,18 +127,32 @@ def _encode_chunk(chunk: Sequence[Tuple[str, str, str]]):
 
 # ---------------------------------------------------------------- packing
 def pack_stream(docs: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int):
-    """Concatenate and cut into rows; the last row is padded (labels -100)."""
+    """Concatenate and cut into rows; the last row is padded (labels -100).
+
+    Returns (input_ids, labels, position_ids) [rows, seq_length] int32 and 0 (nothing is
+    truncated). Positions restart at every document, and at every row a document continues in,
+    so a document cut at a row's end is a new sample there; the padding is a sample of its own.
+    """
     ids = np.concatenate([d for d, _ in docs]).astype(np.int32)
     labels = np.concatenate([lab for _, lab in docs]).astype(np.int32)
     rows = -(-len(ids) // seq_length)
     out_ids = np.full(rows * seq_length, pad_id, np.int32)
     out_labels = np.full(rows * seq_length, IGNORE_INDEX, np.int32)
     out_ids[:len(ids)], out_labels[:len(labels)] = ids, labels
-    return out_ids.reshape(rows, seq_length), out_labels.reshape(rows, seq_length), 0
+    starts = np.zeros(rows * seq_length, bool)
+    first = np.cumsum([0] + [len(d) for d, _ in docs])  # every document's first token, then the padding's
+    starts[first[first < starts.size]] = True
+    starts[::seq_length] = True
+    positions = sample_positions(starts.reshape(rows, seq_length))
+    return out_ids.reshape(rows, seq_length), out_labels.reshape(rows, seq_length), positions, 0
 
 
 def pack_whole(docs: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad_id: int):
-    """First-fit packing of whole documents into rows, in input order; over-long ones truncated."""
+    """First-fit packing of whole documents into rows, in input order; over-long ones truncated.
+
+    Returns (input_ids, labels, position_ids) [rows, seq_length] int32 and the number truncated.
+    Positions restart at every document; a row's padding is a sample of its own.
+    """
     rows: List[List[int]] = []
     free: List[int] = []
     truncated = 0
@@ -153,14 +168,17 @@ def pack_whole(docs: Sequence[Tuple[List[int], List[int]]], seq_length: int, pad
         free[slot] -= n
     out_ids = np.full((len(rows), seq_length), pad_id, np.int32)
     out_labels = np.full((len(rows), seq_length), IGNORE_INDEX, np.int32)
+    starts = np.zeros((len(rows), seq_length + 1), bool)  # one column more: a full row's padding starts past its end
     for r, members in enumerate(rows):
         at = 0
         for i in members:
             d, lab = docs[i]
             n = min(len(d), seq_length)
             out_ids[r, at:at + n], out_labels[r, at:at + n] = d[:n], lab[:n]
+            starts[r, at] = True
             at += n
-    return out_ids, out_labels, truncated
+        starts[r, at] = True  # the padding
+    return out_ids, out_labels, sample_positions(starts[:, :seq_length]), truncated
 
 
 # ---------------------------------------------------------------- driver
@@ -198,11 +216,11 @@ def preprocess(inputs: Sequence[str], output: str, tokenizer: str, seq_length: i
     if not docs:
         raise ValueError(f"{', '.join(inputs)}: no usable records")
     pad = load_tokenizer(tokenizer).pad_token_id
-    ids, labels, summary.truncated = (pack_stream if kind == "text" else pack_whole)(docs, seq_length, pad)
+    ids, labels, positions, summary.truncated = (pack_stream if kind == "text" else pack_whole)(docs, seq_length, pad)
     summary.documents, summary.rows = len(docs), len(ids)
     summary.tokens = sum(min(len(d), seq_length) if kind == "sft" else len(d) for d, _ in docs)
     summary.padding_fraction = 1 - summary.tokens / ids.size
-    _write(output, ids, labels, {"kind": kind, "seq_length": seq_length, "tokenizer": tokenizer,
+    _write(output, ids, labels, positions, {"kind": kind, "seq_length": seq_length, "tokenizer": tokenizer,
                                  "tokenizer_sha256": tokenizer_hash(tokenizer), "template": template,
                                  "train_on": train_on, "inputs": list(inputs), **asdict(summary)})
     return summary
@@ -222,7 +240,7 @@ def _preprocess_pairs(inputs: Sequence[str], output: str, tokenizer: str, seq_le
     summary.documents, summary.rows = len(ids), len(ids)
     summary.tokens = int((ids != tok.pad_token_id).sum())
     summary.padding_fraction = 1 - summary.tokens / ids.size
-    _write(output, ids, labels, {"kind": "preference", "seq_length": seq_length, "tokenizer": tokenizer,
+    _write(output, ids, labels, None, {"kind": "preference", "seq_length": seq_length, "tokenizer": tokenizer,
                                  "tokenizer_sha256": tokenizer_hash(tokenizer), "template": template,
                                  "inputs": list(inputs), **asdict(summary)})
     return summary
@@ -265,20 +283,26 @@ def _map(chunks, init, workers: int):
         yield from pool.imap(_encode_chunk, chunks)  # imap keeps input order
 
 
-def _write(output: str, ids: np.ndarray, labels: np.ndarray, manifest: dict) -> None:
+def _write(output: str, ids: np.ndarray, labels: np.ndarray, positions: Optional[np.ndarray], manifest: dict) -> None:
+    """The folder ``load_packed`` reads; ``positions``: the rows' sample boundaries (None: a row per example)."""
     with atomic_folder(output, replace=False) as staging:
         np.save(os.path.join(staging, "input_ids.npy"), ids)
         np.save(os.path.join(staging, "labels.npy"), labels)
+        if positions is not None:
+            np.save(os.path.join(staging, "position_ids.npy"), positions)
         with open(os.path.join(staging, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
 
 
 def load_packed(folder: str, mmap: bool = True):
-    """A preprocessed folder as a ``TokenDataset`` (memory-mapped by default) and its manifest."""
+    """A preprocessed folder as a ``TokenDataset`` (memory-mapped by default), with the rows'
+    sample boundaries (``position_ids``) where the folder records them, and its manifest."""
     from mindqwen.data.loader import TokenDataset
     from mindqwen.io.jsonfile import read_json
     manifest = read_json(os.path.join(folder, "manifest.json"), ValueError, "preprocess manifest")
     mode = "r" if mmap else None
     ids = np.load(os.path.join(folder, "input_ids.npy"), mmap_mode=mode)
     labels = np.load(os.path.join(folder, "labels.npy"), mmap_mode=mode)
-    return TokenDataset(ids, labels), manifest
+    positions_file = os.path.join(folder, "position_ids.npy")
+    positions = np.load(positions_file, mmap_mode=mode) if os.path.isfile(positions_file) else None
+    return TokenDataset(ids, labels, position_ids=positions), manifest

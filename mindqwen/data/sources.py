@@ -5,6 +5,7 @@ read data through these same functions, so what validate passes, train can load.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Tuple
 
@@ -15,13 +16,19 @@ from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
 from mindqwen.io.textfile import read_lines
 
 
-def load_split(path: Optional[str], tokenizer, seq_length: int,
-               vocab_size: Optional[int] = None) -> Tuple[Optional[TokenDataset], list]:
+def load_split(path: Optional[str], tokenizer, seq_length: int, vocab_size: Optional[int] = None,
+               reset_positions: bool = False) -> Tuple[Optional[TokenDataset], list]:
     """(token rows, prompt/response pairs) of one split; pairs only for ``.jsonl``.
 
     Args:
         vocab_size: if given, token ids must lie in [0, vocab_size) (an id past the embedding
             table is not an error in every kernel: it can read zeros and train on them).
+        reset_positions: keep the sample boundaries the packer recorded (``position_ids``), so
+            each sample of a packed row restarts its positions and attends only to itself
+            (``data.reset_positions``); without it the rows carry none.
+
+    Raises:
+        ValueError: naming the file (``reset_positions`` with packed rows that record no boundaries).
     """
     if path is None:
         return None, []
@@ -38,18 +45,20 @@ def load_split(path: Optional[str], tokenizer, seq_length: int,
         if tokenizer is None:
             raise ValueError(f"{path}: prompt/response data needs data.tokenizer")
         pairs = read_pairs(path)
-        try:
+        try:  # one example per row: no boundaries to keep
             return _checked(encode_pairs(pairs, tokenizer, seq_length), path, vocab_size), pairs
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
     else:
         raise ValueError(f"{path}: data is a `mindqwen preprocess` folder, .npy token rows or .jsonl "
                          "prompt/response pairs")
-    return _checked(data, path, vocab_size), []
+    return _checked(_boundaries(data, path, reset_positions), path, vocab_size), []
 
 
-def load_pretrain(path: str, tokenizer, seq_length: int, vocab_size: Optional[int] = None) -> TokenDataset:
-    """Pre-training rows: ``.txt`` is packed plain text; ``.jsonl`` pairs put the loss on the responses."""
+def load_pretrain(path: str, tokenizer, seq_length: int, vocab_size: Optional[int] = None,
+                  reset_positions: bool = False) -> TokenDataset:
+    """Pre-training rows: ``.txt`` is packed plain text (each line a sample, ``reset_positions`` as
+    in ``load_split``); ``.jsonl`` pairs put the loss on the responses."""
     if path.endswith(".txt"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: data not found")
@@ -59,8 +68,18 @@ def load_pretrain(path: str, tokenizer, seq_length: int, vocab_size: Optional[in
             rows = pack_text((line.text.rstrip("\r\n") for line in read_lines(path)), tokenizer, seq_length)
         except ValueError as e:
             raise ValueError(str(e) if str(e).startswith(path) else f"{path}: {e}") from None
-        return _checked(rows, path, vocab_size)
-    return load_split(path, tokenizer, seq_length, vocab_size)[0]
+        return _checked(_boundaries(rows, path, reset_positions), path, vocab_size)
+    return load_split(path, tokenizer, seq_length, vocab_size, reset_positions)[0]
+
+
+def _boundaries(data: TokenDataset, path: str, reset_positions: bool) -> TokenDataset:
+    """``data`` with its sample boundaries if ``reset_positions`` asks for them, else without."""
+    if not reset_positions:
+        return dataclasses.replace(data, position_ids=None) if data.position_ids is not None else data
+    if data.position_ids is None:
+        raise ValueError(f"{path}: these rows record no sample boundaries, which data.reset_positions needs: "
+                         "pack the data with `mindqwen preprocess` (text or sft), or set it to false")
+    return data
 
 
 def _load_rows(path: str, seq_length: int) -> np.ndarray:

@@ -31,7 +31,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
-from mindqwen.config import QwenConfig
+from mindqwen.config import ExecutionOptions, QwenConfig
 from mindqwen.export import lite
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.hf import no_init_parameters
@@ -49,12 +49,15 @@ FULL_TOLERANCE = 5e-5
 RUNNER = os.path.join(os.path.dirname(__file__), "run_exported.py")
 
 
-def deploy_copy(model: QwenForCausalLM, dtype: str = "float32") -> QwenForCausalLM:
-    """A plain (LoRA merged in float64, no fused kernels) copy of ``model`` in ``dtype``."""
+def deploy_copy(model: QwenForCausalLM, dtype: str = "float32", max_seq_len: Optional[int] = None) -> QwenForCausalLM:
+    """A plain (LoRA merged in float64, no fused kernels) copy of ``model`` in ``dtype``;
+    ``max_seq_len``: its rotary cos/sin come from a table of that many positions, all an
+    exported cache holds (``ExecutionOptions.rotary_table``), None: computed per call."""
     merged = {f"{path}.weight": layer.merged_weight_np() for path, layer in lora_layers(model).items()}
     source = {p.name: p for p in model.get_parameters()}
     with no_init_parameters():  # every weight is set below: no random init to pay for
-        copy = QwenForCausalLM(model.config, DTYPES[dtype], use_fused_ops=False)
+        copy = QwenForCausalLM(model.config, DTYPES[dtype], use_fused_ops=False,
+                               options=ExecutionOptions(rotary_table=max_seq_len))
     np_dtype = np.dtype(dtype)  # "float32" | "float16": the same names in NumPy
     for p in copy.get_parameters():
         value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
@@ -124,7 +127,7 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
     buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
     check_export(model.config, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode, tokenizer_files)
     with atomic_folder(folder) as staging:
-        plain = deploy_copy(model, dtype)
+        plain = deploy_copy(model, dtype, max_seq_len)
         graphs = graph_specs(plain.config, max_seq_len, dtype)
         for name, graph in graphs.items():
             graph["file"] = export_mindir(CachedStep(plain), placeholders(graph["inputs"]), staging, name)
@@ -146,9 +149,9 @@ def check_export(config: QwenConfig, batch_sizes: Sequence[int], max_seq_len: in
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
-    limit = config.max_position_embeddings
+    limit = config.context_length
     if not 1 < max_seq_len <= limit:
-        raise ValueError(f"max_seq_len must be in 2..{limit} (max_position_embeddings), got {max_seq_len}")
+        raise ValueError(f"max_seq_len must be in 2..{limit} ({config.context_rule}), got {max_seq_len}")
     if buckets[0] < 1 or buckets[-1] > max_seq_len:
         raise ValueError(f"seq_buckets must lie in 1..max_seq_len ({max_seq_len}), got {buckets}")
     if len(batch_sizes) * len(buckets) > lite.MAX_GEARS:
@@ -204,8 +207,13 @@ def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens
     ``model`` itself (``unmerged_lora``). ``exported``: the deploy copy the graphs were exported
     from, if the caller still holds it (else it is built again)."""
     prompts = parity_prompts(manifest, new_tokens, model.config.vocab_size)
+    excess = len(prompts[0]) + new_tokens - model.config.max_position_embeddings
+    if (model.config.rope_scaling or {}).get("rope_type") == "dynamic" and excess > 0:
+        # Past max_position_embeddings dynamic rope's frequencies follow the length: a cached key
+        # keeps those of the step that wrote it, a full forward gives every key the last length's.
+        prompts = [p[:max(1, len(p) - excess)] for p in prompts]
     if exported is None:
-        exported = deploy_copy(model, manifest["dtype"])
+        exported = deploy_copy(model, manifest["dtype"], manifest["max_seq_len"])
     full = exported if manifest["dtype"] == "float32" else deploy_copy(model, "float32")
     step = CachedStep(exported)
     forwards = {"full_recompute": full}

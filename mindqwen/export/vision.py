@@ -25,6 +25,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
+from mindqwen.config import ExecutionOptions
 from mindqwen.export.mindir import (check_export, default_buckets, export_mindir, export_model, graph_specs,
                                    parity_prompts, parity_report, placeholders, write_manifest)
 from mindqwen.io.atomic import atomic_folder
@@ -130,12 +131,14 @@ def export_multimodal(model, folder: str, batch_sizes: Sequence[int] = (1,), max
             "image_parity": {k: image[k] for k in ("eager_same_steps", "full_recompute", "passed")}}
 
 
-def plain_fused(model: MultimodalQwen) -> MultimodalQwen:
-    """A LoRA-free float32 copy of the fused model (LoRA merged in float64, no fused kernels)."""
+def plain_fused(model: MultimodalQwen, max_seq_len: Optional[int] = None) -> MultimodalQwen:
+    """A LoRA-free float32 copy of the fused model (LoRA merged in float64, no fused kernels);
+    ``max_seq_len``: rotary cos/sin from a table of that many positions (``deploy_copy``)."""
     merged = {layer.weight.name: layer.merged_weight_np() for layer in lora_layers(model).values()}
     source = {p.name: p for p in model.get_parameters()}
     with no_init_parameters():  # every weight is set below
-        lm = QwenForCausalLM(model.config, ms.float32, use_fused_ops=False)
+        lm = QwenForCausalLM(model.config, ms.float32, use_fused_ops=False,
+                             options=ExecutionOptions(rotary_table=max_seq_len))
         copy = MultimodalQwen(lm, model.vision_config, model.cross_layers, model.image_token_id)
     for p in copy.get_parameters():
         value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
@@ -174,7 +177,7 @@ def export_image_graphs(model: MultimodalQwen, folder: str, batch_sizes: Sequenc
     """
     buckets = sorted(set(seq_buckets or default_buckets(max_seq_len)))
     check_export(model.config, batch_sizes, max_seq_len, buckets, "float32", target, precision_mode, tokenizer_files)
-    plain = plain_fused(model)
+    plain = plain_fused(model, max_seq_len)
     graphs = image_graph_specs(plain, max_seq_len)
     os.makedirs(folder)
     steps = {"image_kv": ImageKeysValues(plain), "prefill": ImageCachedStep(plain), "decode": ImageCachedStep(plain)}

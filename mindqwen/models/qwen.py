@@ -166,23 +166,34 @@ class RMSNorm(nn.Cell):
 
 
 class RotaryEmbedding(nn.Cell):
-    """cos/sin tables (B, 1, S, D) for the HF rotate-half convention, in fp32.
+    """cos/sin (B, 1, S, D) for the HF rotate-half convention, in fp32, at any position.
 
-    The tables are computed once in float64 and rounded, then gathered by position: MindSpore's
-    CPU ``cos``/``sin`` are off by up to ~4e-6, which alone costs more than the 1e-5 parity budget.
-    ``dynamic`` NTK scaling stretches the base when the longest position exceeds
-    ``max_position_embeddings``, so it is computed in the graph per call (stateless, unlike HF's
-    cached buffer).
+    The angles are position × inv_freq in fp32, rounded as HF rounds them; their cos/sin are
+    taken in float64 and rounded to fp32 where the device has float64 kernels (the CPU), so they
+    do not rest on a device's fp32 cos/sin (MindSpore 2.10's CPU ones measured correctly rounded
+    too here, in 18–30% less time). They are computed per call, not gathered from a precomputed
+    table: a table for Qwen's 128k context (131072 × 128, cos and sin in fp32) is 134 MB of graph
+    constants for positions most calls never reach, and still ends at its length; the per-call
+    cost is B·S·D/2 cos and sin, measured ~65 ms at S = 32768 (D = 128) on 2 CPU cores against
+    seconds for the layers of such a forward, and no measurable change in decode speed.
+
+    ``table_length`` N (``ExecutionOptions.rotary_table``) gathers positions 0..N-1 from a table
+    built once in float64 instead: exported graphs, whose cache holds N positions, then carry no
+    float64 op and no raw angle for a fp16 conversion to lose.
+
+    ``dynamic`` NTK scaling stretches the base when a row's longest position exceeds
+    ``max_position_embeddings``, so its frequencies are computed in the graph per call and row:
+    stateless, unlike HF's cached buffer, and a row's own, where HF takes the batch's longest.
     """
 
-    def __init__(self, config: QwenConfig, max_len: Optional[int] = None):
-        """max_len: table length, default ``max_position_embeddings`` (the longest position)."""
+    def __init__(self, config: QwenConfig, table_length: Optional[int] = None, float64: bool = True):
+        """table_length: positions of a precomputed table; None computes cos/sin per call.
+        float64: cos/sin of the fp32 angles in float64 (devices with float64 kernels)."""
         super().__init__()
         inv_freq, scaling = config.rope_inv_freq()
-        positions = np.arange(max_len or config.max_position_embeddings, dtype=np.float32)
-        freqs = np.concatenate([np.outer(positions, inv_freq)] * 2, -1)  # fp32 angles, as HF
-        self.cos_table = Tensor((np.cos(freqs.astype(np.float64)) * scaling).astype(np.float32))
-        self.sin_table = Tensor((np.sin(freqs.astype(np.float64)) * scaling).astype(np.float32))
+        self.inv_freq_np, self.scaling = inv_freq, float(scaling)
+        self.inv_freq = Tensor(inv_freq)  # (D/2,)
+        self.float64 = float64
         rs = config.rope_scaling or {}
         self.dynamic = rs.get("rope_type") == "dynamic"
         self.factor = float(rs.get("factor", 1.0))
@@ -196,6 +207,25 @@ class RotaryEmbedding(nn.Cell):
         # doublings of seq_length below len: counted exactly (a float log2 misses the powers of two).
         self.qwen_ntk = config.use_dynamic_ntk
         self.doublings = Tensor(float(config.seq_length or 1) * 2.0 ** np.arange(32, dtype=np.float64), ms.float32)
+        self.table_length = None
+        self.set_table_length(table_length)
+
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.set_table_length(options.rotary_table)
+
+    def set_table_length(self, length: Optional[int]) -> None:
+        """Gather from a table of ``length`` positions (None: compute per call); the table is
+        built here, once per length."""
+        if length == self.table_length:
+            return
+        self.table_length = length
+        if length is None:
+            self.cos_table = self.sin_table = None
+            return
+        positions = np.arange(length, dtype=np.float32)
+        freqs = np.concatenate([np.outer(positions, self.inv_freq_np)] * 2, -1)  # (N, D) fp32 angles, as HF
+        self.cos_table = Tensor((np.cos(freqs.astype(np.float64)).astype(np.float32) * np.float32(self.scaling)))
+        self.sin_table = Tensor((np.sin(freqs.astype(np.float64)).astype(np.float32) * np.float32(self.scaling)))
 
     def construct(self, position_ids):
         """position_ids (B, S) int32 → cos, sin (B, 1, S, D) fp32."""
@@ -205,19 +235,32 @@ class RotaryEmbedding(nn.Cell):
             alpha = ops.pow(2.0, doublings + 1) - 1
             freqs = position_ids.astype(ms.float32).expand_dims(-1) / ops.pow(
                 self.theta * ops.pow(alpha, self.base_power), self.exponent)  # (B, S, D/2)
-            emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # (B, 1, S, D)
-            return ops.cos(emb), ops.sin(emb)
+            return self._cos_sin(freqs, 1.0)
         if self.dynamic:
+            # Each row's own longest position, so a row in a batch computes what it computes alone.
             pos = position_ids.astype(ms.float32)
-            seq_len = ops.maximum(pos.max() + 1, self.max_positions)
+            seq_len = ops.maximum(pos.max(axis=1, keepdims=True) + 1, self.max_positions)  # (B, 1)
             base = self.theta * ops.pow(self.factor * seq_len / self.max_positions
                                         - (self.factor - 1), self.base_power)
-            freqs = pos.expand_dims(-1) / ops.pow(base, self.exponent)  # (B, S, D/2)
-            emb = ops.cat((freqs, freqs), -1).expand_dims(1)  # (B, 1, S, D)
-            return ops.cos(emb), ops.sin(emb)
-        cos = ops.gather(self.cos_table, position_ids, 0)  # (B, S, D)
-        sin = ops.gather(self.sin_table, position_ids, 0)
-        return cos.expand_dims(1), sin.expand_dims(1)
+            inv_freq = 1.0 / ops.pow(base.expand_dims(-1), self.exponent)  # (B, 1, D/2)
+            return self._cos_sin(pos.expand_dims(-1) * inv_freq, self.scaling)  # (B, S, D/2) angles
+        if self.table_length is not None:
+            cos = ops.gather(self.cos_table, position_ids, 0)  # (B, S, D)
+            sin = ops.gather(self.sin_table, position_ids, 0)
+            return cos.expand_dims(1), sin.expand_dims(1)
+        freqs = position_ids.astype(ms.float32).expand_dims(-1) * self.inv_freq  # (B, S, D/2) fp32 angles, as HF
+        return self._cos_sin(freqs, self.scaling)
+
+    def _cos_sin(self, freqs, scaling: float):
+        """freqs (B, S, D/2) fp32 angles → cos, sin (B, 1, S, D) fp32, times ``scaling``."""
+        if self.float64 and self.table_length is None:
+            angles = freqs.astype(ms.float64)
+            cos, sin = ops.cos(angles).astype(ms.float32), ops.sin(angles).astype(ms.float32)
+        else:
+            cos, sin = ops.cos(freqs), ops.sin(freqs)
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        return ops.cat((cos, cos), -1).expand_dims(1), ops.cat((sin, sin), -1).expand_dims(1)
 
 
 def rotate_half(x):
@@ -291,6 +334,11 @@ class Attention(nn.Cell):
         w = split_weights(w, self.parts())
         q, k, v = self._project(w, x, cos, sin)
         if self.use_flash:
+            # Packed samples reach the kernel as this full mask too. Its variable-length layout
+            # ("TND", actual_seq_qlen / actual_seq_kvlen) would skip the blocks between samples,
+            # but takes one length per sample with none empty: the number of samples would be a
+            # shape that changes from batch to batch (a recompile each). Not used; neither path
+            # is verified here (no Ascend).
             out = ops.flash_attention_score(q, k, v, self.num_heads, attn_mask=mask.astype(ms.uint8),
                                             scalar_value=self.scale, input_layout="BNSD")
         else:
@@ -751,17 +799,13 @@ class QwenModel(nn.Cell):
                                    for i in range(config.num_hidden_layers)])
         self.sync_with_weights()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config, float64=not use_fused_ops)  # Ascend: fp32 cos/sin
         self.sliding_window = config.sliding_window or 0
         self.hidden_dtype = None
         self.logn_length = config.seq_length if config.use_logn_attn else 0  # the original Qwen
-        # Packed rows: with an EOS id set (``ExecutionOptions.document_eos_id``), each document
-        # restarts its positions after an EOS and attends only within itself.
-        self.document_eos_id = None
 
     def apply_options(self, options: ExecutionOptions) -> None:
         self.hidden_dtype = low_dtype(options.hidden_dtype)
-        self.document_eos_id = options.document_eos_id
 
     def sync_with_weights(self) -> bool:
         """Regroup the layers by signature (``share_layer_graphs``); whether any changed."""
@@ -781,33 +825,21 @@ class QwenModel(nn.Cell):
         self.compile_once = mode if mode is None else bool(mode)
         invalidate_compiled_graphs(self)
 
-    def _documents(self, input_ids, attention_mask, idx, future):
-        """Positions and mask for packed documents separated by EOS (the EOS ends its document)."""
-        b, s = input_ids.shape
-        eos = (input_ids == self.document_eos_id).astype(ms.int32)
-        segment = ops.cumsum(eos, 1) - eos  # (B, S): EOS tokens strictly before each token
-        same = segment.reshape(b, s, 1) == segment.reshape(b, 1, s)  # (B, S_q, S_k)
-        if attention_mask is not None:
-            same = ops.logical_and(same, (attention_mask != 0).reshape(b, 1, s))
-        earlier = ops.logical_and(same, (idx.reshape(s, 1) > idx.reshape(1, s)).reshape(1, s, s))
-        position_ids = ops.reduce_sum(earlier.astype(ms.int32), -1)  # earlier tokens of the same document
-        masked = ops.logical_or(future.reshape(1, s, s), ops.logical_not(same))
-        return position_ids, masked.reshape(b, 1, s, s)
-
-    def construct(self, input_ids, attention_mask=None, output_hidden_states=False):
-        """input_ids (B, S) int32; attention_mask (B, S), 1 = token, 0 = padding (left or right).
+    def construct(self, input_ids, attention_mask=None, output_hidden_states=False, position_ids=None):
+        """input_ids (B, S) int32; attention_mask (B, S), 1 = token, 0 = padding (left or right);
+        position_ids (B, S) int32: packed samples (see ``prepare``).
 
         Returns the normed last hidden state (B, S, H), and with ``output_hidden_states`` also
         the tuple HF returns: embeddings, the input of every later layer, the normed output.
         """
-        x, hidden_states, _ = self.run(input_ids, attention_mask)
+        x, hidden_states, _ = self.run(input_ids, attention_mask, position_ids)
         if output_hidden_states:
             return x, hidden_states
         return x
 
-    def run(self, input_ids, attention_mask=None):
-        """The forward pass with everything it can report. Graph mode drops what the caller
-        does not use.
+    def run(self, input_ids, attention_mask=None, position_ids=None):
+        """The forward pass with everything it can report (inputs as ``prepare``'s). Graph mode
+        drops what the caller does not use.
 
         Returns:
             ``hidden, hidden_states, router_logits``, unpacked by name at every call site:
@@ -816,7 +848,7 @@ class QwenModel(nn.Cell):
             model). A plain tuple, not a NamedTuple: MindSpore 2.10 builds a NamedTuple in a
             compiled graph with a Python fallback (PyExecute) that stops the gradient.
         """
-        x, cos, sin, masked, window_masked = self.prepare(input_ids, attention_mask)
+        x, cos, sin, masked, window_masked = self.prepare(input_ids, attention_mask, position_ids)
         hidden_states, router_logits = (), ()
         for layer in self.layers:
             hidden_states = hidden_states + (x,)
@@ -827,14 +859,30 @@ class QwenModel(nn.Cell):
         x = self.norm(x)
         return x, hidden_states + (x,), router_logits
 
-    def prepare(self, input_ids, attention_mask=None):
+    def prepare(self, input_ids, attention_mask=None, position_ids=None):
         """Embeddings (B, S, H), rotary cos/sin (B, 1, S, D) and the masks (B, 1, S, S) of the
-        full and the sliding-window layers: what every decoder layer takes."""
+        full and the sliding-window layers: what every decoder layer takes.
+
+        position_ids (B, S) int32, for rows packed with several samples: each token's position in
+        its sample. A sample starts where its position is 0 (the varlen convention of HF and flash
+        attention), and a token attends only to the earlier tokens of its own sample:
+
+            position_ids  0 1 2 3 0 1 2 0 1      three samples (the last: a row's padding)
+            sample        1 1 1 1 2 2 2 3 3      = cumsum(position_ids == 0)
+            token 5 sees  · · · · ■ ■ · · ·      the keys of sample 2 up to itself
+
+        None: the row is one sample, positions count its real tokens (``attention_mask``).
+        """
         b, s = input_ids.shape
         idx = ops.arange(0, s, dtype=ms.int32)
         masked = idx.reshape(1, s) > idx.reshape(s, 1)  # (S_q, S_k): future keys
-        if self.document_eos_id is not None:
-            position_ids, masked = self._documents(input_ids, attention_mask, idx, masked)
+        if position_ids is not None:
+            position_ids = position_ids.astype(ms.int32)
+            sample = ops.cumsum((position_ids == 0).astype(ms.int32), 1)  # (B, S): samples begun so far
+            other = sample.reshape(b, s, 1) != sample.reshape(b, 1, s)  # (B, S_q, S_k): another sample's key
+            masked = ops.logical_or(masked.reshape(1, s, s), other).reshape(b, 1, s, s)
+            if attention_mask is not None:
+                masked = ops.logical_or(masked, (attention_mask == 0).reshape(b, 1, 1, s))
         elif attention_mask is None:
             position_ids = ops.broadcast_to(idx.reshape(1, s), (b, s))
             masked = ops.broadcast_to(masked.reshape(1, 1, s, s), (b, 1, s, s))
@@ -1067,14 +1115,16 @@ class QwenForCausalLM(nn.Cell):
 
     ``model(input_ids)`` returns logits (B, S, V); ``model(input_ids, labels=labels)`` returns
     the mean next-token cross-entropy with HF shift semantics (labels -100 are ignored), plus
-    ``router_aux_loss_coef`` × the load-balancing loss for a mixture of experts.
+    ``router_aux_loss_coef`` × the load-balancing loss for a mixture of experts. With
+    ``position_ids`` (B, S) a row holds several samples, each attending only to itself
+    (``QwenModel.prepare``).
     """
 
     def __init__(self, config: QwenConfig, dtype=ms.float32, use_fused_ops: Optional[bool] = None,
                  compile_once: Optional[bool] = None, options: Optional[ExecutionOptions] = None):
         """compile_once: compile equal decoder layers once: True, False, None (auto: the layers of
         a model with frozen weights, in training and forward passes), ``QwenModel.set_compile_once``.
-        options: how the model executes (precision, document masks, …); later changes go through
+        options: how the model executes (precision, the chunked loss, …); later changes go through
         ``mindqwen.models.graph.configure``."""
         super().__init__()
         self.config = config
@@ -1127,8 +1177,8 @@ class QwenForCausalLM(nn.Cell):
         self.chunk_head = chunk_head
         return True
 
-    def construct(self, input_ids, attention_mask=None, labels=None):
-        h, _, router_logits = self.model.run(input_ids, attention_mask)
+    def construct(self, input_ids, attention_mask=None, labels=None, position_ids=None):
+        h, _, router_logits = self.model.run(input_ids, attention_mask, position_ids)
         if labels is None:
             return self.logits(h)
         loss = self.loss(h, labels)
@@ -1141,11 +1191,11 @@ class QwenForCausalLM(nn.Cell):
         _, _, router_logits = self.model.run(input_ids, attention_mask)
         return load_balancing_loss(router_logits, self.top_k, attention_mask)
 
-    def loss_and_aux_loss(self, input_ids, attention_mask, labels):
-        """A mixture of experts' training loss (``model(input_ids, attention_mask, labels)``),
-        unweighted, the load-balancing loss it includes and, with ``moe_capacity_factor``, the
-        share of assignments dropped (``dropped_share``): what ``fit`` logs."""
-        h, _, router_logits = self.model.run(input_ids, attention_mask)
+    def loss_and_aux_loss(self, input_ids, attention_mask, labels, position_ids=None):
+        """A mixture of experts' training loss (``model(input_ids, attention_mask, labels,
+        position_ids)``), the unweighted load-balancing loss it includes and, with
+        ``moe_capacity_factor``, the share of assignments dropped (``dropped_share``): what ``fit`` logs."""
+        h, _, router_logits = self.model.run(input_ids, attention_mask, position_ids)
         aux = load_balancing_loss(router_logits, self.top_k, attention_mask)
         loss = self.loss(h, labels) + self.aux_loss_coef * aux
         if self.capacity_factor is None:

@@ -96,7 +96,7 @@ class Server:
         self.generator, self.tokenizer = generator, generator.tokenizer
         self.worker = BatchWorker(generator, max_batch_size, max_queue)
         self.max_prompt, self.max_body, self.api_key = max_prompt_tokens, max_body_bytes, api_key
-        self.max_positions = generator.model.config.max_position_embeddings
+        self.max_positions = generator.model.config.context_length
         self.vocab_size = generator.model.config.vocab_size
         self.defaults = defaults or GenerationConfig(max_new_tokens=128)
         self.chat_template, self.model_name, self.log_prompts = chat_template, model_name, log_prompts

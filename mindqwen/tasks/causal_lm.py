@@ -52,16 +52,9 @@ class CausalLMTask:
         return self.data().tokenizer
 
     def build(self, tokenizer: Optional[SentencePieceTokenizer]) -> QwenForCausalLM:
-        """The model a run starts from (a checkpoint, or random weights sized to ``tokenizer``),
-        with the recipe's document boundaries."""
-        model = build_model(self.recipe.model, tokenizer.vocab_size if tokenizer else None)
-        if self.recipe.data.reset_positions:
-            eos = tokenizer.eos_token_id if tokenizer else model.config.eos_token_id
-            if not isinstance(eos, int):
-                raise ValueError("data.reset_positions needs the EOS id: give data.tokenizer "
-                                 "(or a config eos_token_id)")
-            model.configure(document_eos_id=eos)
-        return model
+        """The model a run starts from (a checkpoint, or random weights sized to ``tokenizer``).
+        Sample boundaries (``data.reset_positions``) travel with the data, as ``position_ids``."""
+        return build_model(self.recipe.model, tokenizer.vocab_size if tokenizer else None)
 
     # ------------------------------------------------------------------ train
     def train(self, recipe_text: Optional[str] = None) -> dict:
@@ -72,8 +65,8 @@ class CausalLMTask:
             write_letters(recipe.data.synthetic, os.path.join(out, "data"))
         data = self.data()
         tokenizer = SentencePieceTokenizer(data.tokenizer) if data.tokenizer else None
-        train_set, _ = load_split(data.train, tokenizer, data.seq_length)
-        eval_set, eval_pairs = load_split(data.eval, tokenizer, data.seq_length)
+        train_set, _ = load_split(data.train, tokenizer, data.seq_length, reset_positions=data.reset_positions)
+        eval_set, eval_pairs = load_split(data.eval, tokenizer, data.seq_length, reset_positions=data.reset_positions)
         ms.set_seed(recipe.trainer.seed)
         model = self.build(tokenizer)
         summary = {"output_dir": out}
@@ -99,7 +92,7 @@ class CausalLMTask:
     def _pretrain(self, model: QwenForCausalLM, data: DataSection, tokenizer) -> dict:
         """The ``pretrain`` stage: full weights on ``data.pretrain``, into ``<output_dir>/pretrain``."""
         recipe, p = self.recipe, self.recipe.pretrain
-        corpus = load_pretrain(data.pretrain, tokenizer, data.seq_length)
+        corpus = load_pretrain(data.pretrain, tokenizer, data.seq_length, reset_positions=data.reset_positions)
         stage = dataclasses.replace(recipe.trainer, max_steps=p.max_steps, micro_batch_size=p.micro_batch_size,
                                     lr=p.lr, warmup_steps=p.warmup_steps, schedule=p.schedule, gradient_accumulation=1,
                                     resume=None, output_dir=os.path.join(recipe.trainer.output_dir, "pretrain"))
@@ -227,10 +220,11 @@ def check_data(recipe: Recipe, source: str, vocab_size: Optional[int]) -> str:
             vocab_size = tokenizer.vocab_size
         sizes = {}
         for key in ("train", "eval"):
-            sizes[key] = len(load_split(getattr(d, key), tokenizer, d.seq_length, vocab_size)[0] or ())
+            sizes[key] = len(load_split(getattr(d, key), tokenizer, d.seq_length, vocab_size,
+                                        d.reset_positions)[0] or ())
         if recipe.pretrain is not None:
             key = "pretrain"
-            sizes[key] = len(load_pretrain(d.pretrain, tokenizer, d.seq_length, vocab_size))
+            sizes[key] = len(load_pretrain(d.pretrain, tokenizer, d.seq_length, vocab_size, d.reset_positions))
     except (ValueError, OSError, RuntimeError) as e:
         raise RecipeError(f"{source}: data.{key}: {e}") from None
     t = recipe.trainer

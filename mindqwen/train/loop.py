@@ -54,9 +54,11 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
         TrainingDiverged: see ``divergence`` (docs/training.md, "Divergence").
     """
     pipeline = parallel is not None and parallel.pipeline_parallel > 1
-    if loss_net is None and train_data.pairs:
-        from mindqwen.preference import default_preference_loss
-        loss_net = default_preference_loss(model, train_data)
+    if train_data.pairs:
+        from mindqwen.preference import PreferenceLoss, default_preference_loss
+        loss_net = loss_net if loss_net is not None else default_preference_loss(model, train_data)
+        if isinstance(loss_net, PreferenceLoss):  # refused now, not at the first step or evaluation
+            loss_net.check_reference(train_data, eval_data)
     with in_mode(ms.GRAPH_MODE if config.mode == "graph" else ms.PYNATIVE_MODE):
         return _fit(model, train_data, config, eval_data, recipe_text, parallel,
                     loss_net or CausalLMLoss(model, report=not pipeline))

@@ -102,8 +102,10 @@ class DataSection:
             packed) or ``.jsonl`` prompt/response pairs (loss on the responses).
         tokenizer: SentencePiece ``.model`` (needed for ``.jsonl`` and ``.txt`` data).
         seq_length: tokens per example.
-        reset_positions: packed rows hold several documents: restart positions after every EOS
-            and keep attention inside each document.
+        reset_positions: packed rows hold several samples: each restarts its positions at 0 and
+            attends only to itself, by the boundaries the packer recorded (a ``mindqwen
+            preprocess`` folder, ``.txt`` text); ``.jsonl`` rows hold one example each and need
+            none; ``.npy`` token rows record none and are refused.
         synthetic: make the demo data instead of reading files.
         workers: multimodal: threads transforming images (resize, crop, normalise).
         read_workers: multimodal: readers of the image (video) files: 1 thread, or processes.

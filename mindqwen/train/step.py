@@ -1,8 +1,10 @@
 """The training step as graph-mode Cells, compiled once per input shape.
 
     1. loss · scale, and its gradients w.r.t. the trainable parameters only
-    2. (accumulation) gradients added into accumulator Parameters, micro-batch by micro-batch
-    3. unscale: ÷ loss scale (and ÷ number of micro-batches)
+    2. (accumulation) gradients × the micro-batch's share of the step's items (label tokens for a
+       causal LM) added into accumulator Parameters, so the step's loss and gradients are those
+       of one batch of all its rows
+    3. unscale: ÷ loss scale (and ÷ pipeline micro-batches)
     4. data parallel: all-reduce (mean) across ranks
     5. global gradient norm (fp32 sum of squares), clipped to ``clip_norm``
     6. overflow check: the norm is finite (an inf or NaN in any gradient makes it inf or NaN)
@@ -20,6 +22,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindqwen.data.loader import IGNORE_INDEX
 from mindqwen.models.graph import invalidate_compiled_graphs, sync_with_weights
 from mindqwen.train.distributed import ParallelConfig
 
@@ -47,10 +50,23 @@ class CausalLMLoss(nn.Cell):
             dropped = ("moe_dropped",) if config.moe_capacity_factor is not None else ()
             self.reported = ("aux_loss",) + dropped
 
-    def construct(self, input_ids, labels):
+    def construct(self, input_ids, labels, position_ids=None):
+        """input_ids, labels (B, S) int32; position_ids (B, S) int32: packed samples (``TokenDataset``)."""
         if self.reported:
-            return self.model.loss_and_aux_loss(input_ids, None, labels)
-        return self.model(input_ids, None, labels)
+            return self.model.loss_and_aux_loss(input_ids, None, labels, position_ids)
+        return self.model(input_ids, None, labels, position_ids)
+
+    def items(self, batch: tuple) -> int:
+        """The label tokens of a batch (after the next-token shift): what its loss averages over."""
+        labels = batch[1].asnumpy() if isinstance(batch[1], ms.Tensor) else np.asarray(batch[1])
+        return int(np.count_nonzero(labels[:, 1:] != IGNORE_INDEX))
+
+
+def batch_items(loss_net: nn.Cell, batch: tuple) -> int:
+    """What a loss network's loss averages over in ``batch``: its ``items(batch)`` (a causal LM's
+    label tokens), or else the batch's rows (a preference loss averages over pairs)."""
+    items = getattr(loss_net, "items", None)
+    return items(batch) if items is not None else len(batch[0])
 
 
 class ScaledLoss(nn.Cell):
@@ -171,24 +187,30 @@ class TrainStep(nn.Cell):
 
 
 class AccumulateStep(nn.Cell):
-    """Steps 1–2 for one micro-batch; returns its loss and reported values."""
+    """Steps 1–2 for one micro-batch; returns its weighted loss and reported values.
+
+    The weight multiplies the gradients, not the loss that is differentiated: the same numbers
+    (the gradient is linear in the loss), and a graph input kept out of the differentiation, whose
+    backward MindSpore 2.10 fails to compile beside a loss with its own bprop."""
 
     def __init__(self, grad_step: GradStep, accumulators: ms.ParameterTuple):
         super().__init__(auto_prefix=False)
         self.grad_step, self.accumulators = grad_step, accumulators
 
-    def construct(self, *batch):
+    def construct(self, weight, *batch):
+        """weight: the micro-batch's share of the step's items (float32 scalar)."""
         loss, reported, grads = self.grad_step(*batch)
-        return ops.depend(loss, _hyper_map(ops.assign_add, self.accumulators, grads)), reported
+        grads = _hyper_map(ops.partial(_scale_grad, weight), grads)
+        return ops.depend(loss * weight, _hyper_map(ops.assign_add, self.accumulators, grads)), reported
 
 
 class ApplyAccumulated(nn.Cell):
     """Steps 3–8 on the accumulated gradients, then zero the accumulators."""
 
-    def __init__(self, update: ApplyGrads, accumulators: ms.ParameterTuple, micro_batches: int):
+    def __init__(self, update: ApplyGrads, accumulators: ms.ParameterTuple, divisor: int = 1):
         super().__init__(auto_prefix=False)
         self.update, self.accumulators = update, accumulators
-        self.divisor = ms.Tensor(float(micro_batches), ms.float32)
+        self.divisor = ms.Tensor(float(divisor), ms.float32) if divisor > 1 else None
 
     def construct(self):
         finite, norm = self.update(self.accumulators, self.divisor)
@@ -207,7 +229,9 @@ class Stepper:
             before the step (the reference log-probs of ``PreferenceLoss``), in the timed step.
         optimizer: over the trainable parameters.
         scaler: loss scaler (scale 1 and ``dynamic_scaling=False`` outside fp16).
-        micro_batches: gradient accumulation factor.
+        micro_batches: gradient accumulation factor. Each micro-batch's loss is weighted by its
+            share of the step's items (``batch_items``: label tokens for a causal LM), so an
+            accumulated step equals one batch of the same rows.
         clip_norm: global-norm clip (0 disables).
         world: data-parallel ranks (> 1: gradients and the loss are averaged across them).
         parallel: a tensor/pipeline-parallel layout (semi-auto parallel, Ascend): the framework
@@ -233,7 +257,7 @@ class Stepper:
         self.reported = {}  # the last step's reported values (micro-batch means), e.g. aux_loss
         grad_step = GradStep(loss_net, optimizer, scaler, world, pipeline)
         update = ApplyGrads(optimizer, scaler, clip_norm, dynamic_scaling, reducer)
-        self.micro_batches = micro_batches
+        self.micro_batches, self.loss_net = micro_batches, loss_net
         if micro_batches == 1:
             self.step = TrainStep(grad_step, update, pipeline)
         else:
@@ -241,7 +265,7 @@ class Stepper:
             # MindSpore rename every parameter by its cell path at compile time.
             accumulators = optimizer.parameters.clone(prefix="grad_accum", init="zeros")
             self.accumulate = AccumulateStep(grad_step, accumulators)
-            self.apply = ApplyAccumulated(update, accumulators, micro_batches * pipeline)
+            self.apply = ApplyAccumulated(update, accumulators, pipeline)
 
     def __call__(self, batches):
         """batches: ``micro_batches`` Tensor tuples (default (input_ids, labels)) → (mean loss, finite, norm);
@@ -253,9 +277,14 @@ class Stepper:
             loss, finite, norm, reported = self.step(*batch)
             self.reported = {k: float(v.asnumpy()) for k, v in zip(self.reported_names, reported)}
             return float(loss.asnumpy()), bool(finite.asnumpy()), float(norm.asnumpy())
-        outs = [self.accumulate(*batch) for batch in batches]
+        outs = [self.accumulate(weight, *batch) for weight, batch in zip(self.weights(batches), batches)]
         finite, norm = self.apply()
         self.reported = {k: float(np.mean([out[1][i].asnumpy() for out in outs]))
                          for i, k in enumerate(self.reported_names)}
-        return (sum(float(out[0].asnumpy()) for out in outs) / len(outs), bool(finite.asnumpy()),
-                float(norm.asnumpy()))
+        return sum(float(out[0].asnumpy()) for out in outs), bool(finite.asnumpy()), float(norm.asnumpy())
+
+    def weights(self, batches) -> list:
+        """Each micro-batch's share of the step's items (equal shares if the step has none)."""
+        items = [batch_items(self.loss_net, batch) for batch in batches]
+        total = sum(items)
+        return [ms.Tensor(n / total if total else 1.0 / len(items), ms.float32) for n in items]

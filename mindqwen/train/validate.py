@@ -103,9 +103,9 @@ def check_eval(recipe: Recipe, path: str, tokenizer_file: Optional[str]) -> None
 def check_numerics(recipe: Recipe, config: QwenConfig, path: str, device: Optional[str]) -> None:
     """Lengths against the model; dtypes against ``device`` (None: the recipe's target is not here)."""
     d = recipe.data
-    if d.seq_length > config.max_position_embeddings:
-        raise RecipeError(f"{path}: data.seq_length={d.seq_length} exceeds the model's max_position_embeddings="
-                          f"{config.max_position_embeddings}")
+    if d.seq_length > config.context_length:
+        raise RecipeError(f"{path}: data.seq_length={d.seq_length} exceeds the model's {config.context_length} "
+                          f"positions ({config.context_rule})")
     if device is None:
         return
     if recipe.model.dtype == "bfloat16" and device == "CPU":
