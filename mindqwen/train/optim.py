@@ -127,7 +127,7 @@ class AdamW(nn.Optimizer):
         self.moments1 = self._parameters.clone(prefix="adam_m", init="zeros")
         self.moments2 = self._parameters.clone(prefix="adam_v", init="zeros")
         decay = self.weight_decay if self.is_group else (self.weight_decay,) * len(self._parameters)
-        self.decays = tuple(float(d) for d in decay)  # λ of each parameter, as constants
+        self.runs = _runs(tuple(float(d) for d in decay))  # (start, stop, λ) of equal λ, as constants
         self.fused = ops.AdamWeightDecay()
         self.float64 = ms.get_context("device_target") != "Ascend"
 
@@ -139,8 +139,12 @@ class AdamW(nn.Optimizer):
         lr_k = lr * c2_sqrt / c1
         eps_k = self.eps * c2_sqrt
         decay_factor = c1 / c2_sqrt  # λ_k = λ · decay_factor
-        return _hyper_map(ops.partial(_fused_adamw, self.fused, lr_k, self.beta1, self.beta2, eps_k, decay_factor),
-                          self.decays, self._parameters, self.moments1, self.moments2, gradients)
+        done = True
+        for start, stop, decay in self.runs:  # one λ_k per run of parameters (a group), not per parameter
+            update = ops.partial(_fused_adamw, self.fused, lr_k, self.beta1, self.beta2, eps_k, decay_factor * decay)
+            done = ops.depend(done, _hyper_map(update, self._parameters[start:stop], self.moments1[start:stop],
+                                               self.moments2[start:stop], gradients[start:stop]))
+        return done
 
     def _correction(self, beta: float, factor: float):
         """(1 − βᵗ) · factor, t = ``global_step`` (already counted), as an fp32 scalar."""
@@ -149,9 +153,19 @@ class AdamW(nn.Optimizer):
         return ((1.0 - ops.pow(ms.Tensor(beta, dtype), t)) * factor).astype(ms.float32)
 
 
-def _fused_adamw(kernel, lr, beta1, beta2, eps, decay_factor, decay, param, m, v, grad):
+def _fused_adamw(kernel, lr, beta1, beta2, eps, decay, param, m, v, grad):
     """One parameter's update by the fused kernel (see ``AdamW``)."""
-    return kernel(param, m, v, lr, beta1, beta2, eps, decay_factor * decay, grad.astype(param.dtype))
+    return kernel(param, m, v, lr, beta1, beta2, eps, decay, grad.astype(param.dtype))
+
+
+def _runs(decays: tuple) -> tuple:
+    """(start, stop, λ) of each run of equal weight decays in parameter order."""
+    runs, start = [], 0
+    for i in range(1, len(decays) + 1):
+        if i == len(decays) or decays[i] != decays[start]:
+            runs.append((start, i, decays[start]))
+            start = i
+    return tuple(runs)
 
 
 def make_optimizer(params: List[Parameter], schedule: WarmupSchedule, weight_decay: float = 0.0,
