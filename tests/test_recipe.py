@@ -42,6 +42,7 @@ def test_loads_with_types_and_overrides(recipe_file):
     (None, ["trainer.precision.level=O5"], r"precision\.level must be one of O0, O1, O2, O3, got 'O5'"),
     (("  target_modules: [q_proj, v_proj]", "  target_modules: 7"), [], r"lora\.target_modules must be"),
     (None, ["serve.batch_timeout_ms=100"], r"serve\.batch_timeout_ms was removed: serving uses continuous batching"),
+    (None, ["data.synthetic.word_lengths=[5,3]"], r"data\.synthetic\.word_lengths must be \[min, max\]"),
 ])
 def test_bad_recipes_name_file_line_and_key(recipe_file, text_change, overrides, match):
     if text_change:

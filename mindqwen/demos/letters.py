@@ -36,8 +36,8 @@ class DemoData:
 WORD_LENGTHS = (3, 5)  # letters per question (min, max)
 
 
-def _letters(rng: random.Random, alphabet: int) -> str:
-    return " ".join(rng.choice(string.ascii_lowercase[:alphabet]) for _ in range(rng.randint(*WORD_LENGTHS)))
+def _letters(rng: random.Random, alphabet: int, lengths: Tuple[int, int] = WORD_LENGTHS) -> str:
+    return " ".join(rng.choice(string.ascii_lowercase[:alphabet]) for _ in range(rng.randint(*lengths)))
 
 
 def _question(task: str, letters: str, chinese: bool) -> Pair:
@@ -47,19 +47,20 @@ def _question(task: str, letters: str, chinese: bool) -> Pair:
 
 
 def make_demo_data(seed: int = 0, pretrain_examples: int = 6000, train_examples: int = 1200,
-                   eval_examples: int = 120, alphabet: int = 26) -> DemoData:
+                   eval_examples: int = 120, alphabet: int = 26,
+                   word_lengths: Tuple[int, int] = WORD_LENGTHS) -> DemoData:
     """Deterministic in ``seed``; half the questions are in Chinese; letters are the first
-    ``alphabet`` of a–z."""
+    ``alphabet`` of a–z; the questions (not the bare form) ask for ``word_lengths`` letters."""
     rng = random.Random(seed)
     pretrain = []
     for _ in range(pretrain_examples):
         name, _, _, answer = TASKS[rng.choice(list(TASKS))]
         letters = _letters(rng, alphabet)
         pretrain.append((f"{name} {letters} =", " " + answer(letters)))
-    train_letters = [_letters(rng, alphabet) for _ in range(train_examples)]
+    train_letters = [_letters(rng, alphabet, word_lengths) for _ in range(train_examples)]
     seen, eval_letters = set(train_letters), []
     while len(eval_letters) < eval_examples:  # held out: no letter string of the training questions
-        letters = _letters(rng, alphabet)
+        letters = _letters(rng, alphabet, word_lengths)
         if letters not in seen:
             eval_letters.append(letters)
             seen.add(letters)
@@ -81,7 +82,7 @@ def write_letters(section, folder: str) -> Dict[str, str]:
     from mindqwen.data.instruct import write_pairs
     from mindqwen.data.tokenizer import train_sentencepiece
     demo = make_demo_data(section.seed, section.pretrain_examples, section.train_examples, section.eval_examples,
-                          section.alphabet)
+                          section.alphabet, tuple(section.word_lengths))
     os.makedirs(folder, exist_ok=True)
     paths = {name: os.path.join(folder, f"{name}.jsonl") for name in ("pretrain", "train", "eval")}
     for name, pairs in (("pretrain", demo.pretrain), ("train", demo.train), ("eval", demo.eval)):
@@ -117,7 +118,7 @@ def write_letter_pairs(section, folder: str) -> Dict[str, str]:
         The paths, by ``data`` key: train, eval.
     """
     demo = make_demo_data(section.seed, section.pretrain_examples, section.train_examples, section.eval_examples,
-                          section.alphabet)
+                          section.alphabet, tuple(section.word_lengths))
     rng = random.Random(section.seed + 1)
     os.makedirs(folder, exist_ok=True)
     paths = {}

@@ -82,6 +82,7 @@ class SyntheticSection:
         pretrain_examples, train_examples, eval_examples: sizes of the three splits.
         alphabet: how many letters (from a) the task uses.
         vocab_size: tokenizer vocabulary (the model's ``vocab_size`` follows it).
+        word_lengths: [min, max] letters per question (the bare form keeps 3-5).
     """
 
     seed: int = 0
@@ -90,6 +91,12 @@ class SyntheticSection:
     eval_examples: int = 120
     alphabet: int = 26
     vocab_size: int = 150
+    word_lengths: List[int] = field(default_factory=lambda: [3, 5])
+
+    def __post_init__(self) -> None:
+        if len(self.word_lengths) != 2 or not 1 <= self.word_lengths[0] <= self.word_lengths[1]:
+            raise ValueError(f"data.synthetic.word_lengths must be [min, max] with 1 <= min <= max, "
+                             f"got {self.word_lengths}")
 
 
 @dataclass
