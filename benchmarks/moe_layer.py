@@ -31,7 +31,8 @@ def measure(shape: str, tokens: int, factor, steps: int, layout: str) -> dict:
     """One variant, in this process (MindSpore is imported here: the parent that runs the
     variants never loads it, so no idle runtime threads share the two cores)."""
     from mindqwen import QwenConfig, backend  # before MindSpore: mindqwen sets what MindSpore reads at load
-    from mindqwen.models.qwen import MLP, SparseMoeBlock, dropped_share, expert_capacity
+    from mindqwen.models.moe import SparseMoeBlock, dropped_share, expert_capacity
+    from mindqwen.models.layers import MLP
 
     import mindspore as ms
     from mindspore import Tensor, nn, ops

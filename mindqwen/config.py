@@ -1,4 +1,4 @@
-"""QwenConfig: the shape and numerics of a Qwen2 / Qwen2.5 / Qwen3 decoder, dense or mixture-of-experts.
+"""QwenConfig: the shape and numerics of a Qwen2 / Qwen2.5 / Qwen3 / Qwen3.5 decoder, dense or mixture-of-experts.
 
 Lenient with HF ``config.json`` (unknown keys are ignored, both rope-theta spellings are read),
 strict with values: inconsistent shapes raise ``ConfigError`` naming the field and the fix.
@@ -15,11 +15,21 @@ import numpy as np
 
 from mindqwen.io.jsonfile import read_json
 
-# HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture.
+# HF architecture name -> mindqwen model_type. Qwen2.5 uses the Qwen2 architecture. Qwen3.5 is published
+# as a vision-language checkpoint whose language model is the text model; the text architecture comes
+# last, so it is the one written back (``to_hf``).
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
-                 "QWenLMHeadModel": "qwen"}
-MOE_TYPES = ("qwen2_moe", "qwen3_moe")
+                 "QWenLMHeadModel": "qwen",
+                 "Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5",
+                 "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
+# HF model_type (config.json) -> mindqwen model_type, where they differ.
+HF_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+# Hybrid decoders: Gated DeltaNet linear-attention layers between full-attention layers whose output is
+# gated (q_proj gives query and gate), with zero-centred RMSNorm weights (x̂ · (1 + w)).
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # Keys each scaled rope type needs beside rope_type (yarn's factor may come from the two lengths).
 ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
@@ -27,6 +37,9 @@ ROPE_REQUIRED_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
 # The loss holds one (rows, vocab) fp32 block of logits at a time, of at most 2^25 elements
 # (128 MB): 220 rows at Qwen's 151,936-token vocabulary, where one 512-token row is 311 MB.
 LOSS_CHUNK_ELEMENTS = 1 << 25
+# The label of a position that is not scored (PyTorch's and HF's ignore_index): the data writes
+# it for prompts and padding, and every loss and log-prob skips it.
+IGNORE_INDEX = -100
 
 
 class ConfigError(ValueError):
@@ -69,6 +82,13 @@ class QwenConfig:
         seq_length / use_logn_attn / use_dynamic_ntk: the original Qwen's training length and, at
             inference beyond it, its query scaling by log_seq_length(position) and its dynamic NTK
             rotary base (``modeling_qwen.py``).
+        partial_rotary_factor: the share of each head's dims that rotary rotates (the first
+            ``rotary_dim``); Qwen3.5: 0.25.
+        full_attention_interval: hybrid models without ``layer_types``: every n-th layer is full
+            attention, the others linear attention (Qwen3.5: 4).
+        linear_num_key_heads / linear_num_value_heads / linear_key_head_dim / linear_value_head_dim /
+            linear_conv_kernel_dim: a Gated DeltaNet layer's query/key heads, value heads (a
+            multiple of the key heads), their widths, and its causal convolution's kernel.
     """
 
     vocab_size: int = 151936
@@ -106,6 +126,13 @@ class QwenConfig:
     seq_length: Optional[int] = None
     use_logn_attn: bool = False
     use_dynamic_ntk: bool = False
+    partial_rotary_factor: float = 1.0
+    full_attention_interval: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
     # Derived in __post_init__ (not constructor arguments).
     n_rep: int = field(init=False)
 
@@ -138,6 +165,7 @@ class QwenConfig:
             raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
         self._check_rope_scaling()
         self._check_sliding_window()
+        self._check_linear_attention()
         self._check_experts()
         if (self.use_logn_attn or self.use_dynamic_ntk) and not (self.seq_length or 0) > 1:
             raise ConfigError(f"use_logn_attn / use_dynamic_ntk need seq_length > 1 (the training length), "
@@ -165,6 +193,9 @@ class QwenConfig:
         self.rope_scaling = {**rs, "rope_type": rope_type}
 
     def _check_sliding_window(self) -> None:
+        if self.layer_types is None and self.is_hybrid:
+            self.layer_types = ["full_attention" if (i + 1) % self.full_attention_interval == 0
+                                else "linear_attention" for i in range(self.num_hidden_layers)]
         if self.layer_types is None:
             self.layer_types = [
                 "sliding_attention" if self.use_sliding_window and i >= self.max_window_layers
@@ -172,15 +203,45 @@ class QwenConfig:
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries but "
                               f"num_hidden_layers={self.num_hidden_layers}")
-        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ConfigError(f"layer_types: unsupported attention type(s) {bad}")
+        if "linear_attention" in self.layer_types and not self.is_hybrid:
+            raise ConfigError(f"layer_types: linear_attention layers need a hybrid model_type "
+                              f"({' or '.join(HYBRID_TYPES)}), got {self.model_type!r}")
+        if self.is_hybrid:
+            return  # a hybrid model's layer_types are its layers, sliding window or not
         if not self.use_sliding_window:
             # HF ignores sliding fields unless use_sliding_window is true.
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         elif "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
             raise ConfigError("use_sliding_window is true but sliding_window is not a positive "
                               f"integer (got {self.sliding_window!r})")
+
+    def _check_linear_attention(self) -> None:
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an even "
+                              f"rotary width (head_dim {self.head_dim} × factor = {self.rotary_dim})")
+        if not self.is_hybrid:
+            return
+        for name in ("full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
+                     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer for {self.model_type}, got {value!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_key_heads={self.linear_num_key_heads} must divide linear_num_value_heads="
+                              f"{self.linear_num_value_heads} (each key head serves a group of value heads)")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Gated DeltaNet layers beside gated full attention, zero-centred norms (Qwen3.5)."""
+        return self.model_type in HYBRID_TYPES
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary rotates (``head_dim · partial_rotary_factor``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _check_experts(self) -> None:
         if self.model_type not in MOE_TYPES:
@@ -196,8 +257,8 @@ class QwenConfig:
                 raise ConfigError(f"{name} must be a positive integer for {self.model_type}, got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
-        if self.model_type == "qwen2_moe" and not self.shared_expert_intermediate_size > 0:
-            raise ConfigError("qwen2_moe needs shared_expert_intermediate_size > 0 (its gated shared expert)")
+        if self.model_type in ("qwen2_moe", "qwen3_5_moe") and not self.shared_expert_intermediate_size > 0:
+            raise ConfigError(f"{self.model_type} needs shared_expert_intermediate_size > 0 (its gated shared expert)")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ConfigError(f"mlp_only_layers {bad} are not layers of a {self.num_hidden_layers}-layer model")
@@ -232,8 +293,11 @@ class QwenConfig:
 
         shapes = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for n in range(self.num_hidden_layers):
-            layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                     "self_attn.o_proj.weight": (h, q)}
+            layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+            if self.layer_types[n] == "linear_attention":
+                layer.update({f"linear_attn.{k}": v for k, v in self.linear_attention_shapes().items()})
+            else:
+                layer["self_attn.o_proj.weight"] = (h, q)
             if self.is_sparse(n):
                 layer["mlp.gate.weight"] = (self.num_experts, h)
                 for e in range(self.num_experts):
@@ -243,19 +307,31 @@ class QwenConfig:
                     layer["mlp.shared_expert_gate.weight"] = (1, h)
             else:
                 layer.update(swiglu("mlp", self.intermediate_size))
-            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                layer[f"self_attn.{proj}.weight"] = (rows, h)
-                if self.qkv_bias:
-                    layer[f"self_attn.{proj}.bias"] = (rows,)
-            if self.o_bias:
-                layer["self_attn.o_proj.bias"] = (h,)
-            if self.qk_norm:
-                layer["self_attn.q_norm.weight"] = layer["self_attn.k_norm.weight"] = (d,)
+            if self.layer_types[n] != "linear_attention":
+                # A hybrid model's q_proj gives each head's query and its output gate.
+                for proj, rows in (("q_proj", 2 * q if self.is_hybrid else q), ("k_proj", kv), ("v_proj", kv)):
+                    layer[f"self_attn.{proj}.weight"] = (rows, h)
+                    if self.qkv_bias:
+                        layer[f"self_attn.{proj}.bias"] = (rows,)
+                if self.o_bias:
+                    layer["self_attn.o_proj.bias"] = (h,)
+                if self.qk_norm:
+                    layer["self_attn.q_norm.weight"] = layer["self_attn.k_norm.weight"] = (d,)
             shapes.update({f"model.layers.{n}.{k}": v for k, v in layer.items()})
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes
+
+    def linear_attention_shapes(self) -> Dict[str, tuple]:
+        """Name (under ``linear_attn.``) → shape of a Gated DeltaNet layer's weights."""
+        h, k, v = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim, \
+            self.linear_num_value_heads * self.linear_value_head_dim
+        heads = self.linear_num_value_heads
+        return {"in_proj_qkv.weight": (2 * k + v, h), "in_proj_z.weight": (v, h), "in_proj_b.weight": (heads, h),
+                "in_proj_a.weight": (heads, h), "conv1d.weight": (2 * k + v, 1, self.linear_conv_kernel_dim),
+                "dt_bias": (heads,), "A_log": (heads,), "norm.weight": (self.linear_value_head_dim,),
+                "out_proj.weight": (h, v)}
 
     # ------------------------------------------------------------------ rotary positions
     @property
@@ -287,13 +363,13 @@ class QwenConfig:
         return "max_position_embeddings", self.max_position_embeddings
 
     def rope_inv_freq(self) -> tuple:
-        """Inverse frequencies [head_dim/2] (float32) and the attention scaling of the rotary table.
+        """Inverse frequencies [rotary_dim/2] (float32) and the attention scaling of the rotary table.
 
         Follows transformers' ``ROPE_INIT_FUNCTIONS`` in float32, as it rounds; ``dynamic``
         rescales the base at run time (see ``models/qwen.py``), so here it returns the unscaled
         frequencies.
         """
-        d = self.head_dim
+        d = self.rotary_dim
         exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
         inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
         rs = self.rope_scaling or {"rope_type": "default"}
@@ -312,7 +388,8 @@ class QwenConfig:
         """Build from an HF ``config.json`` (path, folder or dict). Unknown keys are ignored.
 
         Reads ``rope_theta`` from the top level (transformers 4) or from
-        ``rope_parameters.rope_theta`` (transformers 5).
+        ``rope_parameters.rope_theta`` (transformers 5). A vision-language config (Qwen3.5's
+        published checkpoints) gives its ``text_config``: the language model's shape.
         """
         src = path_or_dict
         if isinstance(src, (str, os.PathLike)):
@@ -322,15 +399,20 @@ class QwenConfig:
             path, hf = "<dict>", dict(src)
         archs = hf.get("architectures") or []
         model_type = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        model_type = model_type or (hf.get("model_type") if hf.get("model_type") in
-                                    ARCHITECTURES.values() else None)
+        hf_type = HF_MODEL_TYPES.get(hf.get("model_type"), hf.get("model_type"))
+        model_type = model_type or (hf_type if hf_type in ARCHITECTURES.values() else None)
         if model_type is None:
             raise ConfigError(f"{path}: unsupported architecture {archs or hf.get('model_type')!r}; "
                               f"supported: {', '.join(ARCHITECTURES)}")
         if model_type == "qwen":
             return cls._from_qwen1(hf, path)
+        if isinstance(hf.get("text_config"), dict):  # a vision-language folder: its language model
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
         rope_params = dict(hf.get("rope_parameters") or {})
         rope_theta = rope_params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        # Multimodal rotary sections: with text positions (equal on every axis) they are plain rotary.
+        rope_params.pop("mrope_section", None), rope_params.pop("mrope_interleaved", None)
+        partial_rotary = rope_params.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
         rope_scaling = hf.get("rope_scaling") or (rope_params or None)
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
@@ -341,7 +423,11 @@ class QwenConfig:
         if model_type in MOE_TYPES:  # transformers 5 writes Qwen3-MoE's count as num_local_experts
             kwargs["num_experts"] = hf.get("num_experts", hf.get("num_local_experts"))
             kwargs["mlp_only_layers"] = list(hf.get("mlp_only_layers") or [])
-        if model_type in ("qwen3", "qwen3_moe"):
+        if model_type in HYBRID_TYPES:
+            kwargs["partial_rotary_factor"] = 0.25 if partial_rotary is None else float(partial_rotary)
+        if model_type == "qwen3_5_moe":  # its router always renormalises the k weights; every layer is sparse
+            kwargs.update(norm_topk_prob=True, decoder_sparse_step=1)
+        if model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES:
             kwargs.update(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
         else:
             kwargs.update(qkv_bias=True, o_bias=False, qk_norm=False)
@@ -406,14 +492,20 @@ class QwenConfig:
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id, "attention_dropout": 0.0, "use_cache": True,
         }
-        if self.model_type in ("qwen3", "qwen3_moe"):
+        if self.model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES:
             hf.update(head_dim=self.head_dim, attention_bias=self.qkv_bias)
+        if self.is_hybrid:
+            hf["model_type"] = {v: k for k, v in HF_MODEL_TYPES.items()}[self.model_type]
+            rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
+            hf.update({name: getattr(self, name) for name in (
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "partial_rotary_factor")})
         if self.model_type in MOE_TYPES:
             hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
                       router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
-            if self.model_type == "qwen2_moe":
+            if self.model_type in ("qwen2_moe", "qwen3_5_moe"):
                 hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return hf
 
@@ -436,7 +528,7 @@ class QwenConfig:
 
 def _yarn(cfg: QwenConfig, rs: Dict[str, Any]) -> tuple:
     """YaRN inverse frequencies and attention factor (transformers ``_compute_yarn_parameters``)."""
-    base, dim = cfg.rope_theta, cfg.head_dim
+    base, dim = cfg.rope_theta, cfg.rotary_dim
     original_max = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
     # As transformers 5: the ratio of the two lengths stands in only for a missing factor.
     factor = rs.get("factor") or cfg.max_position_embeddings / original_max

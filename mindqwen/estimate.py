@@ -17,6 +17,12 @@ Per device under data (dp) × tensor (tp) × pipeline (pp) parallel, the worst p
 
 On CPU the activation term is scaled by a measured factor (see ``CPU_ACTIVATION_FACTOR``).
 
+A stage's layers are summed (the heaviest run of ceil(layers/pp) consecutive layers), so a hybrid
+model (Qwen3.5) counts each layer as what it is: a gated full-attention layer, or a Gated DeltaNet
+layer, whose weights are ``QwenConfig.linear_attention_shapes`` and which keeps no attention scores
+but the chunked delta rule's fp32 work and the recurrent state entering each chunk
+(``linear_attention_activation_bytes``).
+
 A multimodal recipe adds the vision tower, the projector and the gated cross-attention blocks
 (``multimodal_parameters``, a closed form of ``mindqwen.multimodal``'s Cells) to the weights,
 its groups' trainable parameters (frozen | lora | full, as the recipe's policy sets them) to the
@@ -70,13 +76,24 @@ class Estimate:
         return self.total <= HEADROOM * self.capacity
 
 
+def mixer_parameters(config: QwenConfig, index: int) -> int:
+    """Parameters of decoder layer ``index``'s token mixer: a Gated DeltaNet
+    (``QwenConfig.linear_attention_shapes``) or attention, whose q_proj in a hybrid model also
+    gives each head's output gate."""
+    if config.layer_types[index] == "linear_attention":
+        return sum(math.prod(shape) for shape in config.linear_attention_shapes().values())
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    q_rows = 2 * q if config.is_hybrid else q
+    return (h * q_rows + 2 * h * kv + q * h + (q_rows + 2 * kv if config.qkv_bias else 0)
+            + (2 * d if config.qk_norm else 0) + (h if config.o_bias else 0))
+
+
 def layer_parameters(config: QwenConfig, index: int) -> Tuple[int, int]:
     """(total, active per token) parameters of decoder layer ``index``: a mixture of experts holds
     every expert but runs the router, its k experts and the shared expert."""
-    h, d = config.hidden_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if config.qkv_bias else 0) + (2 * d if config.qk_norm else 0)
-    attn += (h if config.o_bias else 0) + 2 * h  # and the two norms
+    h = config.hidden_size
+    attn = mixer_parameters(config, index) + 2 * h  # and the two norms
     if not config.is_sparse(index):
         return attn + 3 * h * config.intermediate_size, attn + 3 * h * config.intermediate_size
     always = attn + config.num_experts * h  # the router
@@ -91,17 +108,22 @@ def routed_expert_parameters(config: QwenConfig) -> int:
     return config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
 
 
-def parameter_counts(config: QwenConfig) -> Tuple[int, int, int]:
-    """(largest decoder layer, embedding, separate LM head) parameter counts."""
-    layer = max(layer_parameters(config, i)[0] for i in range(config.num_hidden_layers))
+def embedding_parameters(config: QwenConfig) -> Tuple[int, int]:
+    """(embedding, separate LM head) parameter counts."""
     embed = config.vocab_size * config.hidden_size
-    return layer, embed, 0 if config.tie_word_embeddings else embed
+    return embed, 0 if config.tie_word_embeddings else embed
+
+
+def heaviest_stage(per_layer: List[float], stage_layers: int) -> float:
+    """The largest sum of ``stage_layers`` consecutive layers' values: what the fullest pipeline
+    stage holds (every layer without a pipeline; ``stage_layers`` × one layer when all are alike)."""
+    return max(sum(per_layer[i:i + stage_layers]) for i in range(len(per_layer) - stage_layers + 1))
 
 
 def model_parameters(config: QwenConfig) -> Tuple[int, int]:
     """(total, active per token) parameters of the whole model, final norm included."""
     layers = [layer_parameters(config, i) for i in range(config.num_hidden_layers)]
-    _, embed, head = parameter_counts(config)
+    embed, head = embedding_parameters(config)
     rest = embed + head + config.hidden_size
     return sum(t for t, _ in layers) + rest, sum(a for _, a in layers) + rest
 
@@ -143,31 +165,54 @@ def multimodal_activation_bytes(config: QwenConfig, vision, cross_layers, batch:
     return vision.num_hidden_layers * block + tokens * (2 * h) * 4 + len(cross_layers) * cross
 
 
-def lora_counts(config: QwenConfig, lora, expert_parallel: int = 1) -> float:
-    """Adapter parameters of the decoder layer that has the most on one device (every Linear LoRA
-    matches: attention, MLP, each expert; the experts' split ``expert_parallel`` ways)."""
-    per_layer: Dict[str, int] = {}
+def lora_counts(config: QwenConfig, lora, expert_parallel: int = 1) -> List[float]:
+    """Adapter parameters on one device per decoder layer (every Linear LoRA matches: attention or
+    linear attention, MLP, each expert; the experts' split ``expert_parallel`` ways)."""
+    per_layer = [0.0] * config.num_hidden_layers
     for name, shape in config.tensor_shapes().items():
         if name.startswith("model.layers.") and name.endswith(".weight") and len(shape) == 2 \
                 and not name.endswith("mlp.gate.weight") and lora.matches(name[:-len(".weight")]):
-            layer = name.split(".")[2]
             share = 1 / expert_parallel if ".mlp.experts." in name else 1
-            per_layer[layer] = per_layer.get(layer, 0) + lora.r * sum(shape) * share
-    return max(per_layer.values(), default=0)
+            per_layer[int(name.split(".")[2])] += lora.r * sum(shape) * share
+    return per_layer
 
 
-def activation_bytes_per_layer(config: QwenConfig, tokens: int, seq: int, low_precision: bool,
+def activation_bytes_per_layer(config: QwenConfig, index: int, tokens: int, seq: int, low_precision: bool,
                                flash: bool, sharded: bool = False, tp: int = 1) -> float:
-    """What one decoder layer keeps for backward, for ``tokens`` = micro_batch × seq (a mixture
-    of experts: ``expert_activation_bytes``)."""
+    """What decoder layer ``index`` keeps for backward, for ``tokens`` = micro_batch × seq (a
+    mixture of experts: ``expert_activation_bytes``; a Gated DeltaNet layer:
+    ``linear_attention_activation_bytes``)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_attention_heads
     act = 2 if low_precision else 4
-    mlp = (expert_activation_bytes(config, tokens, act, sharded, tp) if config.num_experts
+    mlp = (expert_activation_bytes(config, tokens, act, sharded, tp) if config.is_sparse(index)
            else tokens * 4 * i * act)
+    if config.layer_types[index] == "linear_attention":  # its two norms (fp32), no scores
+        return tokens * 2 * h * 4 + linear_attention_activation_bytes(config, tokens, seq, act) + mlp
     hidden = tokens * 12 * h * act + mlp  # norms (fp32 copies), q/k/v, rotary, attention out; MLP
+    if config.is_hybrid:  # the output gate and its sigmoid
+        hidden += tokens * 2 * n * config.head_dim * act
     # fp32 scores and probabilities; flash attention (Ascend) keeps only per-row softmax statistics
     scores = tokens * n * 4 * 2 if flash else tokens * n * seq * 4 * 2
     return hidden + scores
+
+
+def linear_attention_activation_bytes(config: QwenConfig, tokens: int, seq: int, act: int) -> float:
+    """A Gated DeltaNet layer's token mixer (``mindqwen.models.deltanet``) for ``tokens`` = rows × seq.
+    It has no scores and no KV cache. In ``act`` bytes: the projections (conv_dim + value_dim + 2·Hv),
+    the convolution and its SiLU (2·conv_dim), the output projection's input (value_dim). In fp32: the
+    gated norm (4·value_dim) and the chunked delta rule, per value head and token (padded to whole
+    chunks of C): 6 key-dim vectors (q, k, β·k, the decay-weighted q and k, W), 7 value-dim ones (v,
+    β·v, U, V', the two output products and their sum), 6 rows of the chunk's C × C matrices (segment
+    sums, decay, A, (I + A)⁻¹ and its work, Q·Kᵀ ⊙ D), and twice the dk × dv recurrent state per C
+    tokens (the state entering each chunk and its decayed copy). Counted from the graph, not measured."""
+    from mindqwen.models.deltanet import CHUNK_SIZE as C
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    value_dim = hv * dv
+    conv_dim = 2 * config.linear_num_key_heads * dk + value_dim
+    padded = tokens // seq * math.ceil(seq / C) * C
+    projections = tokens * (3 * conv_dim + 2 * value_dim + 2 * hv) * act + tokens * 4 * value_dim * 4
+    rule = padded * hv * (6 * dk + 7 * dv + 6 * C + 2 * dk * dv / C) * 4
+    return projections + rule
 
 
 def expert_activation_bytes(config: QwenConfig, tokens: int, act: int, sharded: bool, tp: int = 1) -> float:
@@ -191,32 +236,35 @@ def estimate(config: QwenConfig, lora, trainer, parallel, model_dtype: str, seq:
     cpu = label.startswith("CPU")
     flash = not cpu  # mindqwen uses flash attention on Ascend
     tp, pp, ep = parallel.tensor_parallel, parallel.pipeline_parallel, parallel.expert_parallel
-    layer, embed, head = parameter_counts(config)
-    layer -= routed_expert_parameters(config) * (1 - 1 / ep)  # a device holds E/ep of the experts
+    embed, head = embedding_parameters(config)
+    held = routed_expert_parameters(config) * (1 - 1 / ep)  # a device holds E/ep of the experts
+    layers = [layer_parameters(config, i)[0] - (held if config.is_sparse(i) else 0)
+              for i in range(config.num_hidden_layers)]
     stage_layers = math.ceil(config.num_hidden_layers / pp)
-    first = stage_layers * layer + embed + (0 if pp > 1 else head)
-    last = stage_layers * layer + head + (embed if config.tie_word_embeddings and pp == 1 else 0)
+    stage = heaviest_stage(layers, stage_layers)
+    first = stage + embed + (0 if pp > 1 else head)
+    last = stage + head + (embed if config.tie_word_embeddings and pp == 1 else 0)
     params = max(first, last) / tp
     level = trainer.precision.level
     weight_bytes = BYTES[trainer.precision.dtype] if level == "O3" else BYTES[model_dtype]
     if lora is not None:
-        trainable, state_bytes = stage_layers * lora_counts(config, lora, ep) / tp, 4
+        trainable, state_bytes = heaviest_stage(lora_counts(config, lora, ep), stage_layers) / tp, 4
     else:
         trainable, state_bytes = params, weight_bytes
     # A pipeline splits the micro-batch into pipeline_micro_batches; a stage holds up to pp in flight.
     micro = parallel.pipeline_micro_batches if pp > 1 else 1
     tokens = trainer.micro_batch_size * seq // micro
     in_flight = tokens * min(pp, micro)
-    per_layer = activation_bytes_per_layer(config, in_flight, seq, level in ("O2", "O3"), flash,
-                                           parallel.model_parallel, tp) / tp
+    per_layer = [activation_bytes_per_layer(config, i, in_flight, seq, level in ("O2", "O3"), flash,
+                                            parallel.model_parallel, tp) / tp for i in range(config.num_hidden_layers)]
     # The loss takes the logits in blocks of loss_chunk_rows rows, except under tensor parallel.
     logit_rows = tokens if tp > 1 else min(tokens, config.loss_chunk_rows)
     if cpu:
-        kept = CPU_ACTIVATION_FACTOR * stage_layers * per_layer
+        kept = CPU_ACTIVATION_FACTOR * heaviest_stage(per_layer, stage_layers)
     elif trainer.recompute == "full":
-        kept = stage_layers * in_flight * config.hidden_size * 4 / tp + per_layer
+        kept = stage_layers * in_flight * config.hidden_size * 4 / tp + max(per_layer)
     else:
-        kept = stage_layers * per_layer
+        kept = heaviest_stage(per_layer, stage_layers)
     parts = {"weights": params * weight_bytes, "gradients": trainable * state_bytes,
              "optimizer": 2 * trainable * state_bytes, "activations": kept,
              "logits": logit_rows * config.vocab_size / tp * LOGIT_BYTES[level in ("O2", "O3")], "runtime": runtime}

@@ -37,11 +37,12 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f"evaluation with lm-evaluation-harness needs the eval extra: pip install 'mindqwen[eval]' "
                       f"({e})") from None
 
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.data.chat import folder_chat_template, render, render_jinja
 from mindqwen.data.tokenizer import model_tokenizer
 from mindqwen.generation import GenerationConfig, Generator
 from mindqwen.models.graph import in_mode, kept_on_model
-from mindqwen.models.qwen import IGNORE_INDEX, QwenForCausalLM
+from mindqwen.models.qwen import QwenForCausalLM
 
 # Row lengths compiled for: steps of at most ~1.25× from 64 on (padding under a quarter of a row,
 # ~3 graphs per doubling of the length; each graph compiles once per model).

@@ -31,9 +31,11 @@ from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from mindqwen.config import ExecutionOptions
 from mindqwen.models.graph import invalidate_compiled_graphs, low_dtype
-from mindqwen.models.qwen import ExpertLinear, Linear, Router
+from mindqwen.models.moe import ExpertLinear, Router
+from mindqwen.models.layers import Linear
 
 DEFAULT_TARGETS = ("q_proj", "v_proj")  # Q and V keep most of the quality at the lowest cost
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 INIT_MODES = ("default", "gaussian", "pissa")
 BIAS_MODES = ("none", "lora_only", "all")
 PEFT_PREFIX = "base_model.model."
@@ -118,8 +120,10 @@ class LoraConfig:
         r: rank of A [r, in] and B [out, r].
         lora_alpha: scale numerator: scaling = alpha / r (rsLoRA: alpha / sqrt(r)).
         lora_dropout: dropout on the LoRA input while training.
-        target_modules: module names (a module matches when its path ends with ``.name``) or
-            one regex matched against the full path (``model.layers.0.self_attn.q_proj``).
+        target_modules: module names (a module matches when its path ends with ``.name``),
+            one regex matched against the full path (``model.layers.0.self_attn.q_proj``), or
+            "all-linear": every linear layer but the output head (``lm_head``) and the stacked
+            experts, as PEFT reads it (HF keeps a mixture's experts as 3-D tensors, not linear layers).
         layers_to_transform: only these decoder layer indices (None: all).
         bias: "none" | "lora_only" (biases of LoRA layers train) | "all" (every bias trains).
         modules_to_save: modules trained fully and saved with the adapter (e.g. ``lm_head``).
@@ -156,7 +160,9 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
         if self.init not in INIT_MODES:
             raise ValueError(f"LoraConfig.init must be one of {INIT_MODES}, got {self.init!r}")
-        if isinstance(self.target_modules, str):
+        if self.target_modules == ALL_LINEAR:
+            pass
+        elif isinstance(self.target_modules, str):
             try:
                 re.compile(self.target_modules)
             except re.error as e:
@@ -186,8 +192,11 @@ class LoraConfig:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
     def matches(self, path: str) -> bool:
-        """Whether the module at ``path`` gets LoRA (PEFT's matching rules)."""
-        if isinstance(self.target_modules, str):
+        """Whether the module at ``path`` gets LoRA (PEFT's matching rules; "all-linear": any
+        module but the output head, ``is_target`` keeping it to linear layers)."""
+        if self.target_modules == ALL_LINEAR:
+            hit = path.rsplit(".", 1)[-1] != "lm_head"
+        elif isinstance(self.target_modules, str):
             hit = re.fullmatch(self.target_modules, path) is not None
         else:
             hit = any(path == t or path.endswith("." + t) for t in self.target_modules)
@@ -575,7 +584,8 @@ def inject_lora(root: nn.Cell, config: LoraConfig, prefix: str = "") -> List[str
     ``prefix`` is prepended to the module paths that name the LoRA parameters, for a ``root``
     that lives inside a larger model (``vision.`` …).
     """
-    routers = [path for path, cell in root.cells_and_names() if isinstance(cell, Router) and config.matches(path)]
+    routers = [path for path, cell in root.cells_and_names() if isinstance(cell, Router)
+               and config.target_modules != ALL_LINEAR and config.matches(path)]
     if routers:  # a low-rank router changes which experts tokens pick; PEFT users train it in full
         raise ValueError(f"LoraConfig.target_modules matches the expert router {routers[0]}, which takes no "
                          "LoRA: leave it frozen (the default) or train it in full with modules_to_save=['gate']")
@@ -599,6 +609,8 @@ def is_target(config: LoraConfig, path: str, cell: nn.Cell) -> bool:
     matches HF's modules, one per expert (``…mlp.experts.{e}.up_proj``), all or none."""
     if not isinstance(cell, ExpertLinear):
         return config.matches(path)
+    if config.target_modules == ALL_LINEAR:
+        return False
     hits = [config.matches(name) for name in per_expert_names(path, cell.num_experts)]
     if any(hits) and not all(hits):
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} adapts {sum(hits)} of the "

@@ -27,7 +27,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.models.graph import invalidate_compiled_graphs
 from mindqwen.models.qwen import QwenForCausalLM

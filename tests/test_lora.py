@@ -18,7 +18,7 @@ from mindqwen import (LoraConfig, apply_lora, from_pretrained, load_adapter, mer
                       merge_lora, save_adapter, trainable_report, unmerge_lora)
 from mindqwen.io.safetensors import SafetensorsFile
 from mindqwen.lora import DoRALayer, LoRALayer, lora_layers
-from mindqwen.models.qwen import Linear
+from mindqwen.models.layers import Linear
 
 LOGITS_TOL, GRAD_RTOL = 5e-5, 1e-4
 DORA = np.load(fixture_path("qwen2_tiny", "dora_rslora.npz"))

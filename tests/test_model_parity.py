@@ -80,7 +80,7 @@ def _cross_entropy_reference(h, w, labels):
 @pytest.mark.parametrize("rows", [3, 4, 64])  # uneven last chunk, even chunks, one chunk
 @pytest.mark.parametrize("kind", ["bprop", "in_forward_training", "in_forward"])
 def test_chunked_cross_entropy_matches_closed_form(rows, kind, mode):
-    from mindqwen.models.qwen import ChunkedCrossEntropy, ChunkedCrossEntropyInForward
+    from mindqwen.models.heads import ChunkedCrossEntropy, ChunkedCrossEntropyInForward
     rng = np.random.default_rng(rows)
     h = rng.normal(0, 1, (10, 16)).astype(np.float32)
     w = rng.normal(0, 0.5, (40, 16)).astype(np.float32)

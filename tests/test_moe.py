@@ -436,7 +436,7 @@ def test_capacity_keeps_each_experts_heaviest_tokens_and_reports_the_dropped_sha
     routing weight (rounded up to a multiple of the devices splitting them, under expert
     parallel); an assignment beyond is dropped (its weight counts for nothing); the dropped
     share is Σ_e max(count_e − C, 0) / (N·k). In eval the block is exact again."""
-    from mindqwen.models.qwen import SparseMoeBlock, dropped_share
+    from mindqwen.models.moe import SparseMoeBlock, dropped_share
     cfg = QwenConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=8, norm_topk_prob=True, moe_capacity_factor=0.75)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from mindqwen import QwenConfig, QwenForCausalLM
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.data.chat import encode_chat
 from mindqwen.data.instruct import pack_text
-from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.data.loader import TokenDataset
 from mindqwen.data.preprocess import load_packed, preprocess
 from mindqwen.data.tokenizer import QwenTokenizer
 from test_tokenizer import hf_folder  # noqa: F401  (fixture: a Qwen-style byte-level BPE, EOS <|endoftext|>)

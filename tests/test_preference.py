@@ -10,7 +10,7 @@ from mindspore import Tensor
 
 from conftest import fixture_path
 from mindqwen import from_pretrained, load_adapter
-from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.models.graph import in_mode
 from mindqwen.preference import (PreferenceConfig, PreferenceLoss, frozen_copy, pair_losses, preference_loss,
                                  reference_view)

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.data.chat import encode_chat
-from mindqwen.data.loader import IGNORE_INDEX
 from mindqwen.data.preference import load_pairs
 from mindqwen.data.tokenizer import QwenTokenizer
 from test_tokenizer import hf_folder  # noqa: F401  (fixture: a byte-level BPE with Qwen's added tokens)

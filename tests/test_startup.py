@@ -13,9 +13,9 @@ from mindspore.common.initializer import initializer
 
 from conftest import fixture_path
 from mindqwen import QwenForCausalLM
-from mindqwen.models import qwen
+from mindqwen.models import heads, init, qwen
 from mindqwen.models.graph import configure, in_mode
-from mindqwen.models.qwen import RandomNormal
+from mindqwen.models.init import RandomNormal
 
 SIGMA = 0.02
 
@@ -44,7 +44,7 @@ def test_random_init_is_normal_with_the_configured_sigma():
 def test_random_init_follows_the_seed_and_not_the_thread_count(monkeypatch):
     a, b, c = draw((300, 20000), 1), draw((300, 20000), 1), draw((300, 20000), 2)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
-    monkeypatch.setattr(qwen, "_draw_pool", lambda: ThreadPoolExecutor(1))
+    monkeypatch.setattr(init, "_draw_pool", lambda: ThreadPoolExecutor(1))
     assert np.array_equal(draw((300, 20000), 1), a)
 
 
@@ -150,13 +150,13 @@ def test_surgery_regroups_the_layers():
     assert layers[0].compiled_once is layers[2].compiled_once not in (None, before)  # frozen now
     assert layers[1].compiled_once not in (None, layers[0].compiled_once)  # its q_proj is a LoRALayer
     assert layers[0].cached_once is layers[2].cached_once is not None
-    assert type(model.chunked_loss) is qwen.ChunkedCrossEntropyInForward and not model.chunked_loss.weight_grad
+    assert type(model.chunked_loss) is heads.ChunkedCrossEntropyInForward and not model.chunked_loss.weight_grad
     shared = layers[0].compiled_once
     for p in model.get_parameters():  # thawed behind the model's back: the Stepper regroups
         p.requires_grad = True
     assert sync_with_weights(model) and not sync_with_weights(model)
     assert layers[0].compiled_once is layers[2].compiled_once not in (None, shared)
-    assert type(model.chunked_loss) is qwen.ChunkedCrossEntropy and model.chunked_loss.weight_grad
+    assert type(model.chunked_loss) is heads.ChunkedCrossEntropy and model.chunked_loss.weight_grad
     model = tiny()
     apply_recompute(model, "full", every=2)
     assert [layer.compiled_once is None for layer in model.model.layers] == [True, False, True]

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.io.jsonfile import read_json
 
 Message = Dict[str, str]  # {"role": system|user|assistant, "content": ..., optional "reasoning_content"}

@@ -10,7 +10,8 @@ from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from mindqwen.data.loader import IGNORE_INDEX, TokenDataset, sample_positions
+from mindqwen.config import IGNORE_INDEX
+from mindqwen.data.loader import TokenDataset, sample_positions
 from mindqwen.io.textfile import read_lines
 
 Pair = Tuple[str, str]  # (prompt, response)

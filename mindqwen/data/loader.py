@@ -13,8 +13,6 @@ from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
-IGNORE_INDEX = -100
-
 
 @dataclass
 class TokenDataset:

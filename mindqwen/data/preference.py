@@ -26,8 +26,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.data.chat import render
-from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.data.loader import TokenDataset
 from mindqwen.io.textfile import read_lines
 
 Messages = List[dict]

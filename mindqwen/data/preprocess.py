@@ -31,7 +31,8 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from tqdm import tqdm
 
-from mindqwen.data.loader import IGNORE_INDEX, sample_positions
+from mindqwen.config import IGNORE_INDEX
+from mindqwen.data.loader import sample_positions
 from mindqwen.data.tokenizer import load_tokenizer
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.textfile import iter_lines

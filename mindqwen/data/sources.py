@@ -11,8 +11,9 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.data.instruct import encode_pairs, pack_text, read_pairs
-from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.data.loader import TokenDataset
 from mindqwen.io.textfile import read_lines
 
 

@@ -1,7 +1,7 @@
 """A mixture of experts' routed-expert tensors: HF's one per expert ⇄ one per layer, stacked.
 
 HF checkpoints store ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` [out, in]
-per expert. mindqwen's parameters (``models/qwen.py`` ``ExpertLinear``) and its ``.ckpt`` stack
+per expert. mindqwen's parameters (``models/moe.py`` ``ExpertLinear``) and its ``.ckpt`` stack
 each projection [E, out, in] (layout "own"); mindformers stacks them transposed [E, in, out]
 ("stack") or flattened [E·in, out] ("flat"), gate and up concatenated (``key_maps.EXPERTS``).
 Both directions are lazy: a stacked tensor is built when it is loaded, and a split one is read

@@ -30,6 +30,10 @@ INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": (ms.float32, np.float32), "float16": (ms.float16, np.float16),
           "bfloat16": (ms.bfloat16, np.float32)}
 _STALE = re.compile(r".*\.rotary_emb\.inv_freq$")
+# A vision-language checkpoint's language model sits under this prefix (Qwen3.5's published folders).
+LANGUAGE_MODEL = "model.language_model."
+# What a text model has no part for: the vision tower, multi-token-prediction layers.
+_NOT_TEXT = re.compile(r"^(model\.visual|visual|mtp)\.")
 
 try:  # skips random init of weights that the checkpoint replaces (one copy of the model in RAM)
     from mindspore.nn.utils import no_init_parameters
@@ -67,10 +71,25 @@ def sanitize(keys: List[str], config: QwenConfig) -> Dict[str, str]:
     """Checkpoint key → model parameter name, dropping keys the model rightly does not have.
 
     Drops stale ``rotary_emb.inv_freq`` buffers (old checkpoints) and, for tied models, a stored
-    ``lm_head.weight`` (Qwen3 tied checkpoints store both; the embedding is authoritative).
+    ``lm_head.weight`` (Qwen3 tied checkpoints store both; the embedding is authoritative). A
+    vision-language folder's language model (``model.language_model.*``) is the text model's
+    ``model.*``; its vision tower and multi-token-prediction layers are not part of it
+    (``text_only_note`` says so).
     """
-    return {k: k for k in keys
-            if not _STALE.match(k) and not (config.tie_word_embeddings and k == "lm_head.weight")}
+    return {k: "model." + k[len(LANGUAGE_MODEL):] if k.startswith(LANGUAGE_MODEL) else k for k in keys
+            if not _STALE.match(k) and not _NOT_TEXT.match(k)
+            and not (config.tie_word_embeddings and k == "lm_head.weight")}
+
+
+def text_only_note(keys: List[str], folder: str) -> Optional[str]:
+    """One line on the tensors of ``folder`` a text model leaves out (a vision tower, multi-token
+    prediction), or None: they are not loaded, and saving the model writes the text model only."""
+    left = sorted({k.split(".")[1] if k.startswith("model.") else k.split(".")[0] for k in keys if _NOT_TEXT.match(k)})
+    if not left:
+        return None
+    count = sum(1 for k in keys if _NOT_TEXT.match(k))
+    return (f"{folder}: loading the language model only; {count} tensors of {', '.join(left)} stay in the folder "
+            f"(saving this model writes a text checkpoint without them)")
 
 
 def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
@@ -92,6 +111,9 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
     files = open_checkpoint(folder, allow_non_finite)
     config: QwenConfig = model.config
     names = sanitize(list(files), config)
+    note = text_only_note(list(files), folder)
+    if note:
+        print(note)
     expected = {name: t.shape for name, t in model_state(model).items()}  # HF name → shape
     missing = sorted(set(expected) - set(names.values()))
     unexpected = sorted(k for k, n in names.items() if n not in expected)

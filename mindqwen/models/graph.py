@@ -1,12 +1,14 @@
 """Compiled graphs: how a model executes (``configure``), keeping MindSpore's cache honest after a
-Cell tree changes, and running a block in a given execution mode."""
+Cell tree changes, running a block in a given execution mode, and compiling equal decoder layers
+once (``share_layer_graphs``)."""
 import contextlib
 import dataclasses
+import hashlib
 import time
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional, Protocol, TypeVar
 
 import mindspore as ms
-from mindspore import nn
+from mindspore import nn, ops
 
 from mindqwen.config import ExecutionOptions
 
@@ -102,3 +104,113 @@ def sync_with_weights(model: nn.Cell) -> bool:
     compiled before then are stale, and callers that find a change invalidate them."""
     changed = [cell.sync_with_weights() for _, cell in model.cells_and_names() if hasattr(cell, "sync_with_weights")]
     return any(changed)
+
+
+class CompiledOnceLayer(Protocol):
+    """What ``share_layer_graphs`` asks of a decoder layer (an ``nn.Cell``; ``DecoderLayer`` is one)."""
+
+    sparse: bool  # a mixture-of-experts layer: always inlined
+    use_fused_ops: bool  # Ascend: marked for lazy_inline instead
+    compiled_once: Optional[Callable]  # written here: the shared forward, None when inlined
+    cached_once: Optional[Callable]  # written here: the shared KV-cache step, None when inlined
+    signature: Optional[tuple]  # written here: the (signature, forward, cached) they were chosen for
+
+    def weights(self) -> tuple: ...
+
+    def apply(self, w, x, cos, sin, mask): ...
+
+    def apply_cached(self, w, x, cos, sin, mask, k_cache, v_cache, cache_position): ...
+
+
+def share_layer_graphs(layers, mode: Optional[bool] = None) -> bool:
+    """Give dense layers the ``no_inline`` graphs of their signature, made from the first layer
+    with that signature: the forward (``compiled_once``) where ``_shareable``, the KV-cache step
+    (``cached_once``). ``mode`` True shares both, False neither, None (auto) the forward of layers
+    with frozen weights (LoRA's training) and no KV-cache step: where the CPU's numbers favour it
+    (docs/performance.md, "Time to first step"). Returns whether any layer's changed. On Ascend
+    the layers are marked for ``lazy_inline`` instead, always. Called when the model is built,
+    whenever its compiled graphs are invalidated (``invalidate_compiled_graphs``) and when a
+    ``Stepper`` is built."""
+    if layers and layers[0].use_fused_ops:
+        return _mark_lazy_inline(layers)
+    states = [_share_plan(layer, mode) for layer in layers]
+    if all(layer.signature == state for layer, state in zip(layers, states)):
+        return False
+    graphs = {}
+    for layer, (sig, forward, cached) in zip(layers, states):
+        if sig is not None and sig not in graphs:
+            graphs[sig] = _compile_once(layer)
+        shared = graphs.get(sig, (None, None))
+        layer.compiled_once, layer.cached_once = shared[0] if forward else None, shared[1] if cached else None
+        layer.signature = (sig, forward, cached)
+    return True
+
+
+def _share_plan(layer: CompiledOnceLayer, mode: Optional[bool]) -> tuple:
+    """(signature or None, share the forward, share the KV-cache step) for ``share_layer_graphs``."""
+    if layer.sparse or mode is False:
+        return None, False, False
+    frozen = any(not p.requires_grad for p in layer.get_parameters())
+    forward, cached = _shareable(layer) and (mode or frozen), bool(mode)
+    return (layer_signature(layer) if forward or cached else None), forward, cached
+
+
+def _mark_lazy_inline(layers) -> bool:
+    """Ascend: what ``mindspore.lazy_inline`` does to a Cell, per layer: layers with equal keys
+    compile to one reusable subgraph. (The decorator keys on the constructor's arguments, which
+    hold the layer index; the signature is what makes two layers the same graph.) Verified on CPU
+    only as far as the marking: the compile itself needs Ascend."""
+    changed = False
+    for layer in layers:
+        key = "lazy_inline_DecoderLayer_" + hashlib.sha256(repr(layer_signature(layer)).encode()).hexdigest()[:16]
+        changed = changed or getattr(layer, "cell_init_args", None) != key
+        layer.cell_init_args = key
+    return changed
+
+
+def _shareable(layer: CompiledOnceLayer) -> bool:
+    """Whether a dense layer's forward may be shared: not marked for recompute (recompute is a
+    property of each layer's own graph). Its KV-cache step has no gradients and no such limit."""
+    if layer.sparse or layer.use_fused_ops:
+        return False
+    return not any(getattr(cell, "_has_config_recompute", False) for _, cell in layer.cells_and_names())
+
+
+def _compile_once(template: CompiledOnceLayer) -> tuple:
+    """The ``no_inline`` forward and KV-cache step of the layers with ``template``'s signature.
+    Frozen weights (LoRA's base) go through ``stop_gradient``: the shared backward is one graph
+    for every caller, and would otherwise form their gradients for nothing (+24% step time, +26%
+    memory at Qwen2.5-0.5B LoRA, benchmarks/no_inline_layer.py)."""
+    frozen = tuple(not p.requires_grad for p in template.weights())
+
+    @ms.no_inline
+    def decoder_layer(x, cos, sin, mask, *w):
+        w = tuple(ops.stop_gradient(t) if stop else t for t, stop in zip(w, frozen))
+        return template.apply(w, x, cos, sin, mask)
+
+    @ms.no_inline
+    def decoder_layer_cached(x, cos, sin, mask, k_cache, v_cache, cache_position, *w):
+        return template.apply_cached(w, x, cos, sin, mask, k_cache, v_cache, cache_position)
+    return decoder_layer, decoder_layer_cached
+
+
+# Cell attributes that are bookkeeping, MindSpore's or the grouping's own: they differ between
+# layers that compute the same thing.
+# ``training`` too: set_train sets it on the whole model, and MindSpore keys compiled graphs by it.
+_BOOKKEEPING = frozenset({"is_top_cell", "arguments_key", "phase", "grad_ops_label", "cell_init_args",
+                          "compiled_once", "cached_once", "signature", "training"})
+_SETTING_TYPES = (bool, int, float, str, type(None), type(ms.float32).__mro__[-3])  # ... and MindSpore dtypes
+
+
+def layer_signature(layer: nn.Cell) -> tuple:
+    """Everything a layer's graph is compiled from except its weights' values: each sub-cell's
+    type and settings, and each weight's shape, dtype and whether it trains. Two layers with
+    equal signatures run the same graph."""
+    parts = []
+    for name, cell in layer.cells_and_names():
+        settings = tuple(sorted((key, repr(value)) for key, value in vars(cell).items()
+                                if not key.startswith("_") and key not in _BOOKKEEPING
+                                and isinstance(value, _SETTING_TYPES)))
+        weights = tuple((tuple(p.shape), str(p.dtype), p.requires_grad) for p in cell.get_parameters(expand=False))
+        parts.append((name, type(cell), settings, weights))
+    return tuple(parts)

@@ -23,7 +23,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindqwen.config import QwenConfig
+from mindqwen.config import ConfigError, QwenConfig
 
 
 
@@ -70,6 +70,10 @@ class CacheLayout:
 
     @classmethod
     def of(cls, config: QwenConfig, batch_size: int, max_len: int) -> "CacheLayout":
+        if config.is_hybrid:
+            raise ConfigError(f"{config.model_type}: its linear-attention layers keep a recurrent state beside the "
+                              "KV cache, which generation, serving and export do not hold yet; training, scoring "
+                              "and log-likelihood evaluation run")
         return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len,
                    config.head_dim)
 

@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen2.5 / Qwen3 causal LM, dense or mixture-of-experts, as MindSpore Cells, read top to bottom.
+"""Qwen2 / Qwen2.5 / Qwen3 / Qwen3.5 causal LM, dense or mixture-of-experts, as MindSpore Cells, read top
+to bottom. Qwen3.5's layers mix tokens by attention or by Gated DeltaNet (``models/deltanet.py``), as
+``config.layer_types`` says.
 
 Parameter names equal HF's (``model.layers.0.self_attn.q_proj.weight`` …), so an HF checkpoint
 loads through the identity key map. ``construct`` methods are tensor math only; every check
@@ -8,161 +10,36 @@ Numerics follow HF: RMSNorm and rotary in fp32, attention softmax in fp32, loss 
 matmuls run in the parameters' dtype. On Ascend the fused kernels (``ops.rms_norm``,
 ``ops.flash_attention_score``) replace the hand-written RMSNorm and attention; on CPU, where
 they do not exist, the hand-written path is used.
+
+The building blocks (Linear, RMSNorm, MLP) are in ``models/layers.py``, the mixture-of-experts block in
+``models/moe.py``, the chunked loss and scoring heads in ``models/heads.py``, the compile-once grouping of
+the decoder layers in ``models/graph.py``.
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Initializer, initializer
+from mindspore import Tensor, nn, ops
 
-from mindqwen.config import ExecutionOptions, QwenConfig
+from mindqwen.config import IGNORE_INDEX, ExecutionOptions, QwenConfig
 from mindqwen.io import convert, hf
 from mindqwen.io.experts import stack_experts
 from mindqwen.io.safetensors import CheckpointError
-from mindqwen.models.graph import apply_options, invalidate_compiled_graphs, low_dtype
+from mindqwen.models.deltanet import GatedDeltaNet
+from mindqwen.models.graph import apply_options, invalidate_compiled_graphs, low_dtype, share_layer_graphs
+from mindqwen.models.heads import (ChunkedCrossEntropy, ChunkedCrossEntropyInForward, TokenLogProbs,
+                                   TokenLogProbsInForward, label_log_probs, label_scores, label_scores_in_blocks)
+from mindqwen.models.layers import (MLP, Embedding, Linear, RMSNorm, default_use_fused_ops, joined_weights,
+                                    split_weights)
+from mindqwen.models.moe import SparseMoeBlock, dropped_share, load_balancing_loss
 
 # Finite "minus infinity" for masked attention scores: a fully masked row (left padding)
 # then softmaxes to a uniform row instead of NaN.
 MASK_VALUE = -1e9
-IGNORE_INDEX = -100
-INIT_STD = 0.02
-
-
-class RandomNormal(Initializer):
-    """N(0, sigma²) in float32, drawn by numpy's SFC64 generators on every core: ~140 M values/s
-    on 2 CPU cores against ~28 M for MindSpore's ``Normal`` (a random Qwen2.5-1.5B shape is 1.5 G).
-
-    A tensor is seeded by one draw from numpy's global generator, as MindSpore's initializers are
-    (so ``mindspore.set_seed`` fixes the weights), and drawn in blocks of ``BLOCK`` values, each
-    from its own child seed: the values do not depend on the number of threads. Lazy under
-    ``no_init_parameters`` like any initializer.
-    """
-
-    BLOCK = 1 << 22
-
-    def __init__(self, sigma: float):
-        super().__init__(sigma=sigma)
-        self.sigma = sigma
-
-    def _initialize(self, arr):
-        out = arr if arr.dtype == np.float32 and arr.flags.c_contiguous else np.empty(arr.shape, np.float32)
-        flat = out.reshape(-1)
-        blocks = [flat[i:i + self.BLOCK] for i in range(0, flat.size, self.BLOCK)]
-        seeds = np.random.SeedSequence(int(np.random.randint(0, 2**63 - 1, dtype=np.int64))).spawn(len(blocks))
-        list(_draw_pool().map(self._draw, seeds, blocks))  # numpy releases the GIL while drawing
-        if out is not arr:
-            arr[...] = out
-
-    def _draw(self, seed: np.random.SeedSequence, block: np.ndarray) -> None:
-        np.random.Generator(np.random.SFC64(seed)).standard_normal(out=block, dtype=np.float32)
-        block *= np.float32(self.sigma)
-
-
-@functools.lru_cache(maxsize=1)
-def _draw_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mindqwen-init")
-
-
-def joined_weights(cells: tuple) -> tuple:
-    """The ``weights()`` of ``cells`` one after the other, flat (``split_weights`` undoes it)."""
-    w = ()
-    for cell in cells:
-        w = w + cell.weights()
-    return w
-
-
-def split_weights(w: tuple, cells: tuple) -> tuple:
-    """w: the ``weights()`` of ``cells`` one after the other, flat → one tuple per cell. (Weights
-    travel flat: MindSpore 2.10 failed to differentiate a ``no_inline`` graph whose argument is a
-    tuple of tuples beside a Cell with its own ``bprop``.)"""
-    out, start = (), 0
-    for cell in cells:
-        n = len(cell.weights())
-        out = out + (w[start:start + n],)
-        start = start + n
-    return out
-
-
-def default_use_fused_ops() -> bool:
-    """Fused Ascend kernels are used only when MindSpore targets Ascend."""
-    return ms.get_context("device_target") == "Ascend"
-
-
-class Linear(nn.Cell):
-    """y = x·Wᵀ + b with the HF layout ``weight`` [out, in].
-
-    ``compute_dtype`` (``ExecutionOptions``) runs the matmul in that dtype and returns the
-    input's dtype, so a fp32 residual stream can use fp16 matmuls (AMP O1).
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype=ms.float32):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (out_features, in_features), dtype),
-                                name="weight")
-        self.bias = Parameter(initializer("zeros", (out_features,), dtype), name="bias") if bias else None
-        self.matmul = ops.MatMul(transpose_b=True)  # no transposed copy of the weight
-        self.compute_dtype = None
-
-    def apply_options(self, options: ExecutionOptions) -> None:
-        self.compute_dtype = low_dtype(options.compute_dtype)
-
-    def weights(self) -> tuple:
-        return (self.weight,) if self.bias is None else (self.weight, self.bias)
-
-    def construct(self, x):
-        return self.apply(self.weights(), x)
-
-    def apply(self, w, x):
-        """x (..., in) with ``weights()`` w → (..., out)."""
-        x2, weight = x.reshape(-1, self.in_features), w[0]  # x2: (B*S, in)
-        if self.compute_dtype is not None:
-            x2, weight = x2.astype(self.compute_dtype), weight.astype(self.compute_dtype)
-        y = self.matmul(x2, weight)  # (B*S, out)
-        if self.bias is not None:
-            y = y + w[1].astype(y.dtype)
-        return y.reshape(x.shape[:-1] + (self.out_features,)).astype(x.dtype)
-
-
-class Embedding(nn.Cell):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype=ms.float32):
-        super().__init__()
-        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (vocab_size, hidden_size), dtype),
-                                name="weight")
-
-    def construct(self, input_ids):
-        return ops.gather(self.weight, input_ids, 0)  # (B, S, H)
-
-
-class RMSNorm(nn.Cell):
-    """weight · x / sqrt(mean(x²) + eps), computed in fp32 and cast back (as HF does)."""
-
-    def __init__(self, dim: int, eps: float, dtype=ms.float32, use_fused_ops: bool = False):
-        super().__init__()
-        self.weight = Parameter(initializer("ones", (dim,), dtype), name="weight")
-        self.eps, self.use_fused_ops = eps, use_fused_ops
-
-    def weights(self) -> tuple:
-        return (self.weight,)
-
-    def construct(self, x):
-        return self.apply(self.weights(), x)
-
-    def apply(self, w, x):
-        weight = w[0]
-        if self.use_fused_ops:
-            return ops.rms_norm(x, weight, self.eps)[0]
-        x32 = x.astype(ms.float32)
-        y = x32 * ops.rsqrt(ops.mean(x32 * x32, -1, keep_dims=True) + self.eps)
-        return weight * y.astype(x.dtype)
 
 
 class RotaryEmbedding(nn.Cell):
@@ -269,8 +146,12 @@ def rotate_half(x):
 
 
 def apply_rotary(x, cos, sin):
-    x32 = x.astype(ms.float32)
-    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+    """x (..., D) rotated by cos/sin (..., R): the first R dims (R < D: partial rotary), the rest as they are."""
+    x32, r = x.astype(ms.float32), cos.shape[-1]
+    if r == x.shape[-1]:
+        return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)
+    rot = x32[..., :r]
+    return ops.cat((rot * cos + rotate_half(rot) * sin, x32[..., r:]), -1).astype(x.dtype)
 
 
 def query_key_tables(cos, sin, position_ids, logn_length: int):
@@ -283,7 +164,9 @@ def query_key_tables(cos, sin, position_ids, logn_length: int):
 
 
 class Attention(nn.Cell):
-    """Grouped-query attention with optional qkv bias (Qwen2) and q/k RMSNorm (Qwen3).
+    """Grouped-query attention with optional qkv bias (Qwen2) and q/k RMSNorm (Qwen3); in a hybrid
+    model (Qwen3.5) gated: ``q_proj`` gives each head its query and a gate, [query | gate] (2·D per
+    head), and the heads' output is multiplied by sigmoid(gate) before ``o_proj``.
 
     The n_rep query heads that share one KV head are stacked along the sequence axis, so a
     single batched matmul serves the whole group and K/V are never copied n_rep times:
@@ -303,14 +186,15 @@ class Attention(nn.Cell):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, d)
         self.n_rep = config.n_rep
-        self.q_proj = Linear(h, self.num_heads * d, config.qkv_bias, dtype)
+        self.gated = config.is_hybrid
+        self.q_proj = Linear(h, self.num_heads * d * (2 if self.gated else 1), config.qkv_bias, dtype)
         self.k_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, dtype)
         self.v_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, dtype)
         self.o_proj = Linear(self.num_heads * d, h, config.o_bias, dtype)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, use_fused_ops)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, use_fused_ops)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype, use_fused_ops, config.is_hybrid)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype, use_fused_ops, config.is_hybrid)
         self.sliding = config.layer_types[layer_idx] == "sliding_attention"
         # Flash attention has no sliding-window mask input here: those layers stay hand-written.
         self.use_flash = use_fused_ops and not self.sliding
@@ -332,7 +216,7 @@ class Attention(nn.Cell):
         """x (B, S, H); cos/sin (B, 1 or 2, S, D): index 0 rotates queries, the last keys;
         mask (B, 1, S, S) bool, True = not attended; w: ``weights()``."""
         w = split_weights(w, self.parts())
-        q, k, v = self._project(w, x, cos, sin)
+        q, k, v, gate = self._project(w, x, cos, sin)
         if self.use_flash:
             # Packed samples reach the kernel as this full mask too. Its variable-length layout
             # ("TND", actual_seq_qlen / actual_seq_kvlen) would skip the blocks between samples,
@@ -343,7 +227,7 @@ class Attention(nn.Cell):
                                             scalar_value=self.scale, input_layout="BNSD")
         else:
             out = self._attend(q, k, v, mask)
-        return self._output(w, out)
+        return self._output(w, out, gate)
 
     def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
         """The KV-cache step: write this step's keys/values at ``cache_position`` and attend
@@ -359,30 +243,39 @@ class Attention(nn.Cell):
     def apply_cached(self, w, x, cos, sin, mask, k_cache, v_cache, cache_position):
         """``cached`` with ``weights()`` w."""
         w = split_weights(w, self.parts())
-        q, k, v = self._project(w, x, cos, sin)
+        q, k, v, gate = self._project(w, x, cos, sin)
         b, kv, t, d = k.shape
         slots = ops.broadcast_to(cache_position.reshape(b, 1, t, 1), (b, kv, t, d))
         k_cache = ops.tensor_scatter_elements(k_cache, slots, k.astype(k_cache.dtype), 2)
         v_cache = ops.tensor_scatter_elements(v_cache, slots, v.astype(v_cache.dtype), 2)
         out = self._attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-        return self._output(w, out), k_cache, v_cache
+        return self._output(w, out, gate), k_cache, v_cache
 
     def _project(self, w, x, cos, sin):
-        """x (B, S, H) → q (B, N, S, D), k and v (B, KV, S, D), rotary applied."""
+        """x (B, S, H) → q (B, N, S, D), k and v (B, KV, S, D), rotary applied, and the output
+        gate (B, S, N·D) of a gated attention (else None)."""
         b, s, _ = x.shape
-        q = self.q_proj.apply(w[0], x).reshape(b, s, self.num_heads, self.head_dim)  # (B, S, N, D)
+        q = self.q_proj.apply(w[0], x)
+        gate = None
+        if self.gated:  # per head [query | gate]
+            q = q.reshape(b, s, self.num_heads, 2 * self.head_dim)
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:].reshape(b, s, -1)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)  # (B, S, N, D)
         k = self.k_proj.apply(w[1], x).reshape(b, s, self.num_kv_heads, self.head_dim)  # (B, S, KV, D)
         v = self.v_proj.apply(w[2], x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.apply(w[4], q), self.k_norm.apply(w[5], k)
         q = apply_rotary(q.transpose(0, 2, 1, 3), cos[:, :1], sin[:, :1])  # (B, N, S, D)
         k = apply_rotary(k.transpose(0, 2, 1, 3), cos[:, -1:], sin[:, -1:])  # (B, KV, S, D)
-        return q, k, v.transpose(0, 2, 1, 3)
+        return q, k, v.transpose(0, 2, 1, 3), gate
 
-    def _output(self, w, out):
-        """out (B, N, S, D) → o_proj (B, S, H)."""
+    def _output(self, w, out, gate):
+        """out (B, N, S, D) (gate (B, S, N·D) or None) → o_proj (B, S, H)."""
         b, _, s, _ = out.shape
-        return self.o_proj.apply(w[3], out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim))
+        out = out.transpose(0, 2, 1, 3).reshape(b, s, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * ops.sigmoid(gate)
+        return self.o_proj.apply(w[3], out)
 
     def _attend(self, q, k, v, mask):
         b, _, s, d = q.shape
@@ -398,231 +291,11 @@ class Attention(nn.Cell):
         return out.reshape(b, self.num_heads, s, d)  # (B, N, S, D)
 
 
-class MLP(nn.Cell):
-    """SwiGLU: down(silu(gate(x)) · up(x)); width ``intermediate_size`` unless given (experts)."""
-
-    def __init__(self, config: QwenConfig, dtype=ms.float32, intermediate_size: Optional[int] = None):
-        super().__init__()
-        h, i = config.hidden_size, intermediate_size or config.intermediate_size
-        self.gate_proj = Linear(h, i, False, dtype)
-        self.up_proj = Linear(h, i, False, dtype)
-        self.down_proj = Linear(i, h, False, dtype)
-
-    def parts(self) -> tuple:
-        return self.gate_proj, self.up_proj, self.down_proj
-
-    def weights(self) -> tuple:
-        return joined_weights(self.parts())
-
-    def construct(self, x):
-        return self.apply(self.weights(), x)
-
-    def apply(self, w, x):
-        w = split_weights(w, self.parts())
-        return self.down_proj.apply(w[2], ops.silu(self.gate_proj.apply(w[0], x)) * self.up_proj.apply(w[1], x))
-
-
-class Router(nn.Cell):
-    """The expert router ``mlp.gate``: logits x·Gᵀ in fp32 whatever the precision level, so
-    that low-precision rounding never changes which experts a token goes to."""
-
-    def __init__(self, hidden_size: int, num_experts: int, dtype=ms.float32):
-        super().__init__()
-        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (num_experts, hidden_size), dtype), name="weight")
-        self.matmul = ops.MatMul(transpose_b=True)
-
-    def construct(self, x):
-        """x (N, H) → router logits (N, E) fp32."""
-        return self.matmul(x.astype(ms.float32), self.weight.astype(ms.float32))
-
-
-class ExpertLinear(nn.Cell):
-    """One projection of all E experts of a layer, stacked: ``weight`` [E, out, in], whose slice e
-    is HF's ``mlp.experts.{e}.<proj>.weight`` (``mindqwen.io.experts`` stacks and splits them).
-
-    A handful of matmuls for all experts instead of E (compile time at 64-128 experts), and the
-    [E, ·, ·] tensor that expert parallel splits by expert. Three forms:
-    ``construct`` runs each expert on its own tokens (E, T, in) → (E, T, out); ``fan_out`` runs
-    every expert on every token (N, in) → (N, E, out); ``fan_in`` sums the experts' outputs
-    (N, E, in) → (N, out). The last two are single 2-D matmuls over the experts side by side.
-    """
-
-    def __init__(self, num_experts: int, in_features: int, out_features: int, dtype=ms.float32):
-        super().__init__()
-        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
-        self.weight = Parameter(initializer(RandomNormal(INIT_STD), (num_experts, out_features, in_features), dtype),
-                                name="weight")
-        self.bmm = ops.BatchMatMul(transpose_b=True)
-        self.matmul = ops.MatMul(transpose_b=True)
-        self.compute_dtype = None  # as Linear's
-
-    def apply_options(self, options: ExecutionOptions) -> None:
-        self.compute_dtype = low_dtype(options.compute_dtype)
-
-    def construct(self, x):
-        """x (E, T, in) → (E, T, out): expert e's tokens through expert e's weight."""
-        x3, w = self._cast(x, self.weight)
-        return self.bmm(x3, w).astype(x.dtype)
-
-    def fan_out(self, x2):
-        """x2 (N, in) → (N, E, out): every expert on every token, one (N, in)·(in, E·out) matmul."""
-        x2c, w = self._cast(x2, self.weight)
-        y = self.matmul(x2c, w.reshape(-1, self.in_features))  # (N, E·out)
-        return y.reshape(x2.shape[0], self.num_experts, self.out_features).astype(x2.dtype)
-
-    def fan_in(self, h):
-        """h (N, E, in) → Σ_e h[:, e]·W[e]ᵀ (N, out), one (N, E·in)·(E·in, out) matmul."""
-        hc, w = self._cast(h, self.weight)
-        w = w.transpose(1, 0, 2).reshape(self.out_features, -1)  # (out, E·in)
-        return self.matmul(hc.reshape(h.shape[0], -1), w).astype(h.dtype)
-
-    def _cast(self, x, w):
-        if self.compute_dtype is not None:
-            return x.astype(self.compute_dtype), w.astype(self.compute_dtype)
-        return x, w
-
-
-class Experts(nn.Cell):
-    """The routed SwiGLU experts of a layer (``mlp.experts``), stacked."""
-
-    def __init__(self, config: QwenConfig, dtype=ms.float32):
-        super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_proj = ExpertLinear(e, h, i, dtype)
-        self.up_proj = ExpertLinear(e, h, i, dtype)
-        self.down_proj = ExpertLinear(e, i, h, dtype)
-
-    def construct(self, x):
-        """x (E, T, H) → (E, T, H): expert e on its own T tokens."""
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def weighted_sum(self, x2, weights):
-        """x2 (N, H), weights (N, E) → Σ_e w[:, e]·expert_e(x2) (N, H): every expert on every
-        token, weighted before the (linear) down projection so the sum over experts is one matmul."""
-        h = ops.silu(self.gate_proj.fan_out(x2)) * self.up_proj.fan_out(x2)  # (N, E, I)
-        return self.down_proj.fan_in(h * weights.expand_dims(-1))
-
-
-class SparseMoeBlock(nn.Cell):
-    """Mixture of SwiGLU experts (Qwen2-MoE, Qwen3-MoE), with Qwen2-MoE's gated shared expert.
-
-        p = softmax(router(x))  (N, E) fp32;  the k largest p of a token pick its experts,
-        renormalised to sum 1 when ``norm_topk_prob``;  w (N, E) holds them, 0 elsewhere
-        y = Σ_e w[:, e] · expert_e(x)  (+ sigmoid(shared_expert_gate(x)) · shared_expert(x))
-
-    Every expert runs on every token and is weighted by w (0 for the tokens that did not pick it):
-    static shapes, no token ever dropped, and an expert no token picked gets an exact zero
-    gradient. Training with ``moe_capacity_factor`` f, expert e runs only on the C = ceil(f·N·k/E)
-    tokens with the largest w[:, e], gathered into an (E, C, H) batch, and its outputs are summed
-    back per token: exact while no expert is picked by more than C tokens (measured on CPU,
-    forward and backward; docs/performance.md).
-    """
-
-    def __init__(self, config: QwenConfig, dtype=ms.float32):
-        super().__init__()
-        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
-        self.capacity_factor = config.moe_capacity_factor
-        # Under semi-auto parallel (ExecutionOptions, set by shard_model) the exact path runs the
-        # experts as (E, N, H) batches too: one shard layout of the stacked weights in every graph;
-        # and the capacity is a multiple of the devices that split an expert group's tokens.
-        self.batched = False
-        self.capacity_multiple = 1
-        self.gate = Router(config.hidden_size, config.num_experts, dtype)
-        self.experts = Experts(config, dtype)
-        self.has_shared_expert = config.shared_expert_intermediate_size > 0
-        if self.has_shared_expert:
-            self.shared_expert = MLP(config, dtype, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = Linear(config.hidden_size, 1, False, dtype)
-
-    def apply_options(self, options: ExecutionOptions) -> None:
-        self.batched, self.capacity_multiple = options.batched_experts, options.capacity_multiple
-
-    def construct(self, x):
-        """x (B, S, H) → y (B, S, H) and the router logits (B·S, E) fp32."""
-        x2 = x.reshape(-1, x.shape[-1])  # (N, H)
-        router_logits, weights = self.route(x2)
-        weights = weights.astype(x.dtype)  # (N, E)
-        if self.capacity_factor is not None and self.training:
-            y = self._within_capacity(x2, weights.swapaxes(0, 1))
-        elif self.batched:
-            ye = self.experts(ops.broadcast_to(x2, (self.num_experts,) + x2.shape))  # (E, N, H)
-            y = (ye * weights.swapaxes(0, 1).expand_dims(-1)).sum(0)
-        else:
-            y = self.experts.weighted_sum(x2, weights)
-        if self.has_shared_expert:
-            y = y + ops.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
-        return y.reshape(x.shape), router_logits
-
-    def route(self, x2):
-        """x2 (N, H) → the router logits (N, E) fp32 and each token's expert weights w (N, E)
-        fp32: its k largest probabilities (renormalised with ``norm_topk_prob``), 0 elsewhere."""
-        router_logits = self.gate(x2)
-        probs = ops.softmax(router_logits, -1)  # (N, E)
-        # Indices only, then a gather: differentiating through topk's (values, indices) pair
-        # fails in MindSpore 2.10's graph mode ("func graph is empty"); the gradient is the same.
-        chosen = ops.stop_gradient(ops.topk(probs, self.top_k)[1])  # (N, k): the experts each token picks
-        top = ops.gather_elements(probs, 1, chosen)  # (N, k): their probabilities
-        if self.norm_topk_prob:
-            top = top / top.sum(-1, keepdims=True)
-        weights = (ops.one_hot(chosen, self.num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
-                   * top.expand_dims(-1)).sum(1)  # (N, E)
-        return router_logits, weights
-
-    def _within_capacity(self, x2, weights):
-        """x2 (N, H), weights (E, N) → Σ_e w[e] · expert_e(x) over each expert's C tokens of
-        largest weight (tokens that did not pick e have weight 0: they add nothing)."""
-        n, e = x2.shape[0], self.num_experts
-        capacity = expert_capacity(n, self.top_k, e, self.capacity_factor, self.capacity_multiple)
-        rows = ops.stop_gradient(ops.topk(weights, capacity)[1])  # (E, C) token indices
-        xe = ops.gather(x2, rows.reshape(-1), 0).reshape(e, capacity, -1)  # (E, C, H)
-        ye = self.experts(xe) * ops.gather_elements(weights, 1, rows).expand_dims(-1)  # (E, C, H)
-        return ops.unsorted_segment_sum(ye.reshape(e * capacity, -1), rows.reshape(-1), n)
-
-
-def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float, multiple: int = 1) -> int:
-    """C = ceil(f · N · k / E) tokens per expert, rounded up to a multiple of ``multiple``, at most N."""
-    return min(tokens, -(-math.ceil(capacity_factor * tokens * top_k / num_experts) // multiple) * multiple)
-
-
-def dropped_share(router_logits, top_k: int, capacity_factor: float, multiple: int = 1):
-    """The share of a batch's (token, expert) assignments that ``moe_capacity_factor`` dropped,
-    over all MoE layers: Σ_e max(count_e − C, 0) / (N·k) per layer, averaged. router_logits: a
-    tuple of (N, E) fp32, one per MoE layer."""
-    logits = ops.stop_gradient(ops.stack(router_logits))  # (L, N, E)
-    n, num_experts = logits.shape[1], logits.shape[2]
-    capacity = expert_capacity(n, top_k, num_experts, capacity_factor, multiple)
-    chosen = ops.topk(logits, top_k)[1]  # (L, N, k): softmax keeps the order
-    counts = ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum((1, 2))  # (L, E)
-    return ops.relu(counts - capacity).sum() / (logits.shape[0] * n * top_k)
-
-
-def load_balancing_loss(router_logits, top_k: int, attention_mask=None):
-    """HF's auxiliary load-balancing loss over all MoE layers together (Switch Transformer):
-
-        E · Σ_e f_e · P_e,  f_e = fraction of tokens that picked expert e (Σ_e f_e = k),
-                            P_e = mean router probability of e,
-
-    both averaged over the tokens of every layer at once (attention_mask (B, S): padding left out).
-    router_logits: a tuple of (B·S, E) fp32, one per MoE layer.
-    """
-    logits = ops.stack(router_logits)  # (L, N, E)
-    num_experts = logits.shape[-1]
-    probs = ops.softmax(logits, -1)
-    chosen = ops.stop_gradient(ops.topk(probs, top_k)[1])  # (L, N, k)
-    routed = ops.one_hot(chosen, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32)).sum(2)  # (L, N, E)
-    if attention_mask is None:
-        keep = ops.ones(probs.shape[:2] + (1,), ms.float32)
-    else:
-        keep = ops.broadcast_to(attention_mask.reshape(1, -1, 1).astype(ms.float32), probs.shape[:2] + (1,))
-    tokens = ops.reduce_sum(keep)
-    share = ops.reduce_sum(routed * keep, (0, 1)) / tokens  # (E,) f_e
-    prob = ops.reduce_sum(probs * keep, (0, 1)) / tokens  # (E,) P_e
-    return ops.reduce_sum(share * prob) * num_experts
-
-
 class DecoderLayer(nn.Cell):
-    """Pre-norm attention and MLP (or mixture of experts), each added to the residual stream.
+    """Pre-norm attention and MLP (or mixture of experts), each added to the residual stream. In a
+    hybrid model (Qwen3.5) a ``linear_attention`` layer mixes tokens by Gated DeltaNet
+    (``linear_attn``, ``models/deltanet.py``) instead of attention; its ``mask`` is the padding
+    mask (B, S), 1 = token.
 
     With the model's ``compile_once`` option a dense layer runs as ``compiled_once`` /
     ``cached_once`` (``share_layer_graphs``): the same ``no_inline`` graph for every layer of the
@@ -633,10 +306,15 @@ class DecoderLayer(nn.Cell):
     def __init__(self, config: QwenConfig, layer_idx: int, dtype=ms.float32,
                  use_fused_ops: bool = False):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
-        self.self_attn = Attention(config, layer_idx, dtype, use_fused_ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops)
+        eps, zero_centered = config.rms_norm_eps, config.is_hybrid
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops, zero_centered)
+        self.linear = config.layer_types[layer_idx] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet.from_config(config, dtype, float64=not use_fused_ops)
+        else:
+            self.self_attn = Attention(config, layer_idx, dtype, use_fused_ops)
+        self.sliding = not self.linear and self.self_attn.sliding
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, use_fused_ops, zero_centered)
         self.sparse = config.is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(config, dtype) if self.sparse else MLP(config, dtype)
         self.use_fused_ops = use_fused_ops
@@ -645,8 +323,13 @@ class DecoderLayer(nn.Cell):
         # chosen for.
         self.compiled_once, self.cached_once, self.signature = None, None, None
 
+    @property
+    def mixer(self) -> nn.Cell:
+        """What mixes the tokens: ``self_attn`` or ``linear_attn``."""
+        return self.linear_attn if self.linear else self.self_attn
+
     def parts(self) -> tuple:
-        return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
+        return self.input_layernorm, self.mixer, self.post_attention_layernorm, self.mlp
 
     def weights(self) -> tuple:
         """A dense layer's weights, flat: its norms', attention's and MLP's."""
@@ -655,8 +338,7 @@ class DecoderLayer(nn.Cell):
     def construct(self, x, cos, sin, mask):
         """x (B, S, H) → (B, S, H); a mixture-of-experts layer also returns its router logits."""
         if self.sparse:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-            return self._feed_forward(x)
+            return self._feed_forward(x + self._mix(self.input_layernorm(x), cos, sin, mask))
         if self.compiled_once is None:
             return self.apply(self.weights(), x, cos, sin, mask)
         return self.compiled_once(x, cos, sin, mask, *self.weights())
@@ -664,7 +346,8 @@ class DecoderLayer(nn.Cell):
     def apply(self, w, x, cos, sin, mask):
         """A dense layer with ``weights()`` w."""
         w = split_weights(w, self.parts())
-        x = x + self.self_attn.apply(w[1], self.input_layernorm.apply(w[0], x), cos, sin, mask)
+        h = self.input_layernorm.apply(w[0], x)
+        x = x + (self.linear_attn.apply(w[1], h, mask) if self.linear else self.self_attn.apply(w[1], h, cos, sin, mask))
         return x + self.mlp.apply(w[3], self.post_attention_layernorm.apply(w[2], x))
 
     def cached(self, x, cos, sin, mask, k_cache, v_cache, cache_position):
@@ -685,105 +368,14 @@ class DecoderLayer(nn.Cell):
         x = x + a
         return x + self.mlp.apply(w[3], self.post_attention_layernorm.apply(w[2], x)), k_cache, v_cache
 
+    def _mix(self, h, cos, sin, mask):
+        return self.linear_attn(h, mask) if self.linear else self.self_attn(h, cos, sin, mask)
+
     def _feed_forward(self, x):
         if self.sparse:
             y, router_logits = self.mlp(self.post_attention_layernorm(x))
             return x + y, router_logits
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def share_layer_graphs(layers, mode: Optional[bool] = None) -> bool:
-    """Give dense layers the ``no_inline`` graphs of their signature, made from the first layer
-    with that signature: the forward (``compiled_once``) where ``_shareable``, the KV-cache step
-    (``cached_once``). ``mode`` True shares both, False neither, None (auto) the forward of layers
-    with frozen weights (LoRA's training) and no KV-cache step: where the CPU's numbers favour it
-    (docs/performance.md, "Time to first step"). Returns whether any layer's changed. On Ascend
-    the layers are marked for ``lazy_inline`` instead, always. Called when the model is built,
-    whenever its compiled graphs are invalidated (``invalidate_compiled_graphs``) and when a
-    ``Stepper`` is built."""
-    if layers and layers[0].use_fused_ops:
-        return _mark_lazy_inline(layers)
-    states = [_share_plan(layer, mode) for layer in layers]
-    if all(layer.signature == state for layer, state in zip(layers, states)):
-        return False
-    graphs = {}
-    for layer, (sig, forward, cached) in zip(layers, states):
-        if sig is not None and sig not in graphs:
-            graphs[sig] = _compile_once(layer)
-        shared = graphs.get(sig, (None, None))
-        layer.compiled_once, layer.cached_once = shared[0] if forward else None, shared[1] if cached else None
-        layer.signature = (sig, forward, cached)
-    return True
-
-
-def _share_plan(layer: "DecoderLayer", mode: Optional[bool]) -> tuple:
-    """(signature or None, share the forward, share the KV-cache step) for ``share_layer_graphs``."""
-    if layer.sparse or mode is False:
-        return None, False, False
-    frozen = any(not p.requires_grad for p in layer.get_parameters())
-    forward, cached = _shareable(layer) and (mode or frozen), bool(mode)
-    return (layer_signature(layer) if forward or cached else None), forward, cached
-
-
-def _mark_lazy_inline(layers) -> bool:
-    """Ascend: what ``mindspore.lazy_inline`` does to a Cell, per layer: layers with equal keys
-    compile to one reusable subgraph. (The decorator keys on the constructor's arguments, which
-    hold the layer index; the signature is what makes two layers the same graph.) Verified on CPU
-    only as far as the marking: the compile itself needs Ascend."""
-    changed = False
-    for layer in layers:
-        key = "lazy_inline_DecoderLayer_" + hashlib.sha256(repr(layer_signature(layer)).encode()).hexdigest()[:16]
-        changed = changed or getattr(layer, "cell_init_args", None) != key
-        layer.cell_init_args = key
-    return changed
-
-
-def _shareable(layer: "DecoderLayer") -> bool:
-    """Whether a dense layer's forward may be shared: not marked for recompute (recompute is a
-    property of each layer's own graph). Its KV-cache step has no gradients and no such limit."""
-    if layer.sparse or layer.use_fused_ops:
-        return False
-    return not any(getattr(cell, "_has_config_recompute", False) for _, cell in layer.cells_and_names())
-
-
-def _compile_once(template: DecoderLayer) -> tuple:
-    """The ``no_inline`` forward and KV-cache step of the layers with ``template``'s signature.
-    Frozen weights (LoRA's base) go through ``stop_gradient``: the shared backward is one graph
-    for every caller, and would otherwise form their gradients for nothing (+24% step time, +26%
-    memory at Qwen2.5-0.5B LoRA, benchmarks/no_inline_layer.py)."""
-    frozen = tuple(not p.requires_grad for p in template.weights())
-
-    @ms.no_inline
-    def decoder_layer(x, cos, sin, mask, *w):
-        w = tuple(ops.stop_gradient(t) if stop else t for t, stop in zip(w, frozen))
-        return template.apply(w, x, cos, sin, mask)
-
-    @ms.no_inline
-    def decoder_layer_cached(x, cos, sin, mask, k_cache, v_cache, cache_position, *w):
-        return template.apply_cached(w, x, cos, sin, mask, k_cache, v_cache, cache_position)
-    return decoder_layer, decoder_layer_cached
-
-
-# Cell attributes that are bookkeeping, MindSpore's or the grouping's own: they differ between
-# layers that compute the same thing.
-# ``training`` too: set_train sets it on the whole model, and MindSpore keys compiled graphs by it.
-_BOOKKEEPING = frozenset({"is_top_cell", "arguments_key", "phase", "grad_ops_label", "cell_init_args",
-                          "compiled_once", "cached_once", "signature", "training"})
-_SETTING_TYPES = (bool, int, float, str, type(None), type(ms.float32).__mro__[-3])  # ... and MindSpore dtypes
-
-
-def layer_signature(layer: nn.Cell) -> tuple:
-    """Everything a layer's graph is compiled from except its weights' values: each sub-cell's
-    type and settings, and each weight's shape, dtype and whether it trains. Two layers with
-    equal signatures run the same graph."""
-    parts = []
-    for name, cell in layer.cells_and_names():
-        settings = tuple(sorted((key, repr(value)) for key, value in vars(cell).items()
-                                if not key.startswith("_") and key not in _BOOKKEEPING
-                                and isinstance(value, _SETTING_TYPES)))
-        weights = tuple((tuple(p.shape), str(p.dtype), p.requires_grad) for p in cell.get_parameters(expand=False))
-        parts.append((name, type(cell), settings, weights))
-    return tuple(parts)
 
 
 class QwenModel(nn.Cell):
@@ -798,7 +390,7 @@ class QwenModel(nn.Cell):
         self.layers = nn.CellList([DecoderLayer(config, i, dtype, use_fused_ops)
                                    for i in range(config.num_hidden_layers)])
         self.sync_with_weights()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_fused_ops, config.is_hybrid)
         self.rotary_emb = RotaryEmbedding(config, float64=not use_fused_ops)  # Ascend: fp32 cos/sin
         self.sliding_window = config.sliding_window or 0
         self.hidden_dtype = None
@@ -849,10 +441,13 @@ class QwenModel(nn.Cell):
             compiled graph with a Python fallback (PyExecute) that stops the gradient.
         """
         x, cos, sin, masked, window_masked = self.prepare(input_ids, attention_mask, position_ids)
+        keep = None
+        if self.config.is_hybrid:  # linear attention zeroes the padding's inputs: (B, S, 1), 1 = token
+            keep = ops.ones(input_ids.shape, x.dtype) if attention_mask is None else attention_mask.astype(x.dtype)
         hidden_states, router_logits = (), ()
         for layer in self.layers:
             hidden_states = hidden_states + (x,)
-            x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
+            x = layer(x, cos, sin, keep if layer.linear else window_masked if layer.sliding else masked)
             if layer.sparse:
                 x, logits = x
                 router_logits = router_logits + (logits,)
@@ -919,7 +514,7 @@ class QwenModel(nn.Cell):
         # One Unstack, not L StridedSlices: CPU StridedSlice on the 5-D cache costs ~1 ms each.
         k_layers, v_layers = ops.unstack(k_cache, 0), ops.unstack(v_cache, 0)
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.cached(x, cos, sin, window_masked if layer.self_attn.sliding else masked,
+            x, k, v = layer.cached(x, cos, sin, window_masked if layer.sliding else masked,
                                    k_layers[i], v_layers[i], cache_position)
             keys, values = keys + (k,), values + (v,)
         return self.norm(x), ops.stack(keys), ops.stack(values)
@@ -942,172 +537,6 @@ class QwenModel(nn.Cell):
         if self.hidden_dtype is not None:
             x = x.astype(self.hidden_dtype)
         return x, cos, sin, masked, window_masked
-
-
-def _label_log_probs(logits, labels):
-    """logits (T, V) fp32, labels (T,) int32 → log p(label) (T, 1), 0 where the label is ignored."""
-    keep = (labels != IGNORE_INDEX).reshape(-1, 1)
-    safe = ops.select(keep, labels.reshape(-1, 1), ops.zeros_like(labels.reshape(-1, 1)))
-    return ops.gather_elements(ops.log_softmax(logits, -1), 1, safe) * keep.astype(ms.float32)
-
-
-def _label_scores(logits, labels):
-    """logits (T, V) fp32, labels (T,) int32 → log p(label) (T,), 0 where ignored, and whether
-    the label is the argmax (T,) bool, True where ignored: what an evaluation asks of a token."""
-    keep = labels != IGNORE_INDEX
-    greedy = ops.logical_or(ops.argmax(logits, -1).astype(ms.int32) == labels, ops.logical_not(keep))
-    return _label_log_probs(logits, labels).reshape(-1), greedy
-
-
-_MATMUL_NT = ops.MatMul(transpose_b=True)  # h (r, H) · W (V, H)ᵀ
-_MATMUL_NN = ops.MatMul()  # dlogits (r, V) · W (V, H)
-_MATMUL_TN = ops.MatMul(transpose_a=True)  # dlogits (r, V)ᵀ · h (r, H)
-
-
-class _LogitBlocks(nn.Cell):
-    """The cross-entropy of the logits h·Wᵀ taken ``rows`` rows at a time, so no pass holds more
-    than one (rows, V) fp32 block of logits (the chunked cross-entropy of torchtune and Liger):
-    its value, and its gradients formed block by block from each block's softmax p, with c = dout
-    for kept rows, 0 for ignored ones:
-
-        dlogits = c·(p − onehot(label))                       (rows, V), one block at a time
-        dh      = c·p·W − c·W[label]                          (rows, H)
-        dW     += (c·p)ᵀ·h, then −c·h scattered to the label rows   (V, H)
-
-    ``weight_grad``: whether the head trains (``QwenForCausalLM.sync_with_weights``).
-    """
-
-    def __init__(self, rows: int, weight_grad: bool = True):
-        super().__init__()
-        self.rows, self.weight_grad = rows, weight_grad
-
-    def value(self, h, w, labels):
-        """h (T, H); w (V, H); labels (T,) int32, -100 ignored → the summed loss (fp32 scalar)."""
-        total = ops.zeros((), ms.float32)
-        for start in range(0, h.shape[0], self.rows):  # unrolled: T is static; slices clip at T
-            logits = _MATMUL_NT(h[start:start + self.rows], w).astype(ms.float32)  # (r, V)
-            total = total - ops.reduce_sum(_label_log_probs(logits, labels[start:start + self.rows]))
-        return total
-
-
-def _block(hc, w, labels, dout):
-    """One block: hc (r, H), labels (r,), dout (scalar or (r, 1)) → dh (r, H) fp32, c·p (r, V),
-    the safe labels (r, 1), c (r, 1), and the labels' log-probs (r, 1), 0 where ignored (one
-    logits matmul for all of them). dh is the gradient of −Σ dout·log p(label)."""
-    lab = labels.reshape(-1, 1)
-    keep = (lab != IGNORE_INDEX).astype(ms.int32)
-    safe = lab * keep  # ignored rows point at row 0 with a zero coefficient
-    coef = keep.astype(ms.float32) * dout  # (r, 1)
-    log_probs = ops.log_softmax(_MATMUL_NT(hc, w).astype(ms.float32), -1)  # (r, V)
-    label_log_probs = ops.gather_elements(log_probs, 1, safe) * keep.astype(ms.float32)
-    probs = ops.exp(log_probs) * coef  # (r, V)
-    rows_w = ops.gather(w, safe.reshape(-1), 0).astype(ms.float32)  # (r, H): W[label]
-    dh = _MATMUL_NN(probs.astype(w.dtype), w).astype(ms.float32) - coef * rows_w
-    return dh, probs, safe, coef, label_log_probs
-
-
-class ChunkedCrossEntropy(_LogitBlocks):
-    """The chunked cross-entropy (``_LogitBlocks``) with its own backward: the forward keeps
-    nothing for it but its inputs, and the backward recomputes each block's softmax."""
-
-    def construct(self, h, w, labels):
-        return self.value(h, w, labels)
-
-    def bprop(self, h, w, labels, out, dout):
-        # dW always: when the head is frozen nothing consumes it and the graph drops it. (The
-        # loop is written out: MindSpore 2.10 fails to compile a bprop that calls a loop.)
-        dh, dw = (), ops.zeros(w.shape, ms.float32)
-        for start in range(0, h.shape[0], self.rows):
-            hc = h[start:start + self.rows]  # (r, H)
-            dh_c, probs, safe, coef, _ = _block(hc, w, labels[start:start + self.rows], dout)
-            dh = dh + (dh_c.astype(h.dtype),)
-            dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
-            dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
-        return ops.cat(dh, 0), dw.astype(w.dtype), labels * 0
-
-
-class ChunkedCrossEntropyInForward(_LogitBlocks):
-    """The chunked cross-entropy (``_LogitBlocks``) whose training forward forms the gradients
-    (dout 1) and returns loss + Σ (h − stop_gradient(h))·dh (+ the same for W): the value is the
-    loss to the last bit (each added term is exactly 0) and its gradient is dout·(dh, dW).
-
-    For models with frozen weights: MindSpore 2.10 fails to differentiate a graph that holds a
-    Cell ``bprop`` beside a layer compiled once (``no_inline``) that stops a frozen weight's
-    gradient ("func graph is empty: zeros_like"). With a frozen head only dh (T, H) waits for the
-    backward; a trained head's dW (V, H) would wait too (+2 GB at the Qwen2.5-0.5B shape), so
-    full fine-tunes keep ``ChunkedCrossEntropy``. Outside training the forward is the loss alone.
-    """
-
-    def construct(self, h, w, labels):
-        if not self.training:
-            return self.value(h, w, labels)
-        hs, ws = ops.stop_gradient(h), ops.stop_gradient(w)
-        total, dh, dw = ops.zeros((), ms.float32), (), ops.zeros(w.shape, ms.float32)
-        for start in range(0, h.shape[0], self.rows):  # ChunkedCrossEntropy.bprop's with dout 1
-            hc = hs[start:start + self.rows]  # (r, H)
-            dh_c, probs, safe, coef, log_probs = _block(hc, ws, labels[start:start + self.rows],
-                                                        ops.ones((), ms.float32))
-            total, dh = total - ops.reduce_sum(log_probs), dh + (dh_c,)
-            if self.weight_grad:
-                dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
-                dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
-        dh = ops.cat(dh, 0)
-        total = total + ops.reduce_sum((h - hs).astype(ms.float32) * dh.astype(ms.float32))
-        if self.weight_grad:
-            total = total + ops.reduce_sum((w - ws).astype(ms.float32) * dw.astype(ms.float32))
-        return total
-
-
-class _TokenLogProbs(_LogitBlocks):
-    """Each labelled token's log-probability (T,) fp32 (0 where ignored), from the logits h·Wᵀ
-    taken ``rows`` rows at a time: the log-probs of sequences, for preference losses."""
-
-    def token_values(self, h, w, labels):
-        """h (T, H); w (V, H); labels (T,) → log p(label) (T,) fp32, 0 where ignored."""
-        pieces = ()
-        for start in range(0, h.shape[0], self.rows):  # unrolled: T is static; slices clip at T
-            logits = _MATMUL_NT(h[start:start + self.rows], w).astype(ms.float32)  # (r, V)
-            pieces = pieces + (_label_log_probs(logits, labels[start:start + self.rows]).reshape(-1),)
-        return ops.cat(pieces, 0)
-
-
-class TokenLogProbs(_TokenLogProbs):
-    """``_TokenLogProbs`` with its own backward: for a per-token dout (T,) it forms the gradients
-    of Σ dout·log p block by block, recomputing each block's softmax (``_LogitBlocks``, with
-    c = −dout)."""
-
-    def construct(self, h, w, labels):
-        return self.token_values(h, w, labels)
-
-    def bprop(self, h, w, labels, out, dout):
-        # written out as ChunkedCrossEntropy.bprop's (a bprop cannot call a loop in MindSpore 2.10)
-        dh, dw = (), ops.zeros(w.shape, ms.float32)
-        for start in range(0, h.shape[0], self.rows):
-            hc = h[start:start + self.rows]  # (r, H)
-            dh_c, probs, safe, coef, _ = _block(hc, w, labels[start:start + self.rows],
-                                                -dout[start:start + self.rows].reshape(-1, 1))
-            dh = dh + (dh_c.astype(h.dtype),)
-            dw = dw + _MATMUL_TN(probs.astype(hc.dtype), hc).astype(ms.float32)
-            dw = ops.tensor_scatter_add(dw, safe, -coef * hc.astype(ms.float32))
-        return ops.cat(dh, 0), dw.astype(w.dtype), labels * 0
-
-
-class TokenLogProbsInForward(_TokenLogProbs):
-    """``_TokenLogProbs`` whose training forward forms each token's gradient g_t = ∂log p_t/∂h_t
-    (T, H) and returns log p + Σ_k (h − stop_gradient(h))·g: the value to the last bit, the
-    gradient w.r.t. h exact for any function of the log-probs. For models with frozen weights
-    (see ``ChunkedCrossEntropyInForward``); the head must be frozen (no dW is formed)."""
-
-    def construct(self, h, w, labels):
-        if not self.training:
-            return self.token_values(h, w, labels)
-        hs, ws = ops.stop_gradient(h), ops.stop_gradient(w)
-        values, grads = (), ()
-        for start in range(0, h.shape[0], self.rows):
-            dh_c, _, _, _, log_probs = _block(hs[start:start + self.rows], ws, labels[start:start + self.rows],
-                                              -ops.ones((), ms.float32))
-            values, grads = values + (log_probs.reshape(-1),), grads + (dh_c,)
-        return ops.cat(values, 0) + ops.reduce_sum((h - hs).astype(ms.float32) * ops.cat(grads, 0), -1)
 
 
 class QwenForCausalLM(nn.Cell):
@@ -1239,7 +668,7 @@ class QwenForCausalLM(nn.Cell):
         if self.chunked_loss.rows and self.chunk_head:
             return self.chunked_loss(*self._head_operands(h), shift_labels) / count
         shift_logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
-        return -ops.reduce_sum(_label_log_probs(shift_logits, shift_labels)) / count
+        return -ops.reduce_sum(label_log_probs(shift_logits, shift_labels)) / count
 
     def token_log_probs(self, input_ids, labels, differentiable: bool = True):
         """Each labelled next token's log-probability: input_ids, labels (R, S) → (R, S−1) fp32,
@@ -1254,7 +683,7 @@ class QwenForCausalLM(nn.Cell):
                       else self.token_logps.token_values(h2, w, shift_labels))
         else:
             logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
-            values = _label_log_probs(logits, shift_labels).reshape(-1)
+            values = label_log_probs(logits, shift_labels).reshape(-1)
         return values.reshape(input_ids.shape[0], -1)
 
     def score_tokens(self, input_ids, targets, last):
@@ -1272,14 +701,9 @@ class QwenForCausalLM(nn.Cell):
             w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
             if not self.tied and self.lm_head.compute_dtype is not None:
                 h2, w = h2.astype(self.lm_head.compute_dtype), w.astype(self.lm_head.compute_dtype)
-            values, greedy = (), ()
-            for start in range(0, h2.shape[0], self.chunked_loss.rows):  # unrolled: R·S is static
-                v, g = _label_scores(_MATMUL_NT(h2[start:start + self.chunked_loss.rows], w).astype(ms.float32),
-                                     flat[start:start + self.chunked_loss.rows])
-                values, greedy = values + (v,), greedy + (g,)
-            values, greedy = ops.cat(values, 0), ops.cat(greedy, 0)
+            values, greedy = label_scores_in_blocks(h2, w, flat, self.chunked_loss.rows)
         else:
-            values, greedy = _label_scores(self.logits(h).reshape(-1, self.vocab_size).astype(ms.float32), flat)
+            values, greedy = label_scores(self.logits(h).reshape(-1, self.vocab_size).astype(ms.float32), flat)
         rows = ops.gather(h.reshape(-1, hidden), ops.arange(r, dtype=ms.int32) * s + last.astype(ms.int32), 0)
         after_last = ops.log_softmax(self.logits(rows.reshape(r, 1, hidden)).reshape(r, -1).astype(ms.float32), -1)
         return values.reshape(r, s), greedy.reshape(r, s), after_last

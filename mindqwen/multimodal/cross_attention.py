@@ -19,7 +19,7 @@ import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 
-from mindqwen.models.qwen import Linear, RMSNorm
+from mindqwen.models.layers import Linear, RMSNorm
 
 
 class GatedCrossAttention(nn.Cell):

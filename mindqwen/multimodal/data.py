@@ -22,10 +22,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from mindqwen.config import IGNORE_INDEX
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 PROMPT = "Describe the image."
-IGNORE_INDEX = -100
 PLACEHOLDERS = ("<image>", "<video>")  # where a conversation's image goes
 IMAGE_PAD = "<|image_pad|>"  # Qwen's tokenizers carry this id for vision tokens
 

@@ -25,7 +25,8 @@ from mindspore import Tensor, nn, ops
 
 from mindqwen.lora import LoraConfig, inject_lora
 from mindqwen.models.graph import invalidate_compiled_graphs
-from mindqwen.models.qwen import Linear, QwenForCausalLM
+from mindqwen.models.layers import Linear
+from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.multimodal.cross_attention import GatedCrossAttention
 from mindqwen.multimodal.vision import Projector, VisionConfig, VisionEncoder
 
@@ -110,7 +111,7 @@ class MultimodalQwen(nn.Cell):
             vision_mask = (seen > 0).astype(ms.float32).expand_dims(-1)  # (B, S, 1)
         x, cos, sin, masked, window_masked = self.lm.model.prepare(input_ids, attention_mask)
         for i, layer in enumerate(self.lm.model.layers):
-            x = layer(x, cos, sin, window_masked if layer.self_attn.sliding else masked)
+            x = layer(x, cos, sin, window_masked if layer.sliding else masked)
             if self.cross_after[i] >= 0:
                 x = self.cross_attn[self.cross_after[i]](x, vision, vision_mask)
         h = self.lm.model.norm(x)
@@ -150,7 +151,7 @@ class MultimodalQwen(nn.Cell):
         image_keys, image_values = ops.unstack(cross_k, 0), ops.unstack(cross_v, 0)
         keys, values = (), ()
         for i, layer in enumerate(lm.layers):
-            x, k, v = layer.cached(x, cos, sin, window_masked if layer.self_attn.sliding else masked,
+            x, k, v = layer.cached(x, cos, sin, window_masked if layer.sliding else masked,
                                    k_layers[i], v_layers[i], cache_position)
             keys, values = keys + (k,), values + (v,)
             if self.cross_after[i] >= 0:

@@ -19,7 +19,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
-from mindqwen.models.qwen import Linear
+from mindqwen.models.layers import Linear
 
 
 @dataclass

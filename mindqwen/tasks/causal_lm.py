@@ -19,7 +19,9 @@ from mindqwen.evaluate import exact_match
 from mindqwen.export import export_model
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.lora import apply_lora, is_target, load_adapter
-from mindqwen.models.qwen import ExpertLinear, Linear, QwenForCausalLM
+from mindqwen.models.moe import ExpertLinear
+from mindqwen.models.layers import Linear
+from mindqwen.models.qwen import QwenForCausalLM
 from mindqwen.tasks import finish_run
 from mindqwen.train.distributed import check_model_layout
 from mindqwen.train.loop import fit

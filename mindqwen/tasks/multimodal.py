@@ -36,7 +36,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindqwen.data.loader import IGNORE_INDEX, TokenDataset
+from mindqwen.config import IGNORE_INDEX
+from mindqwen.data.loader import TokenDataset
 from mindqwen.data.tokenizer import load_tokenizer
 from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import write_json

@@ -116,6 +116,9 @@ def check_model_layout(config, parallel: ParallelConfig, lora_rank: int = 0) -> 
             raise ValueError(f"tensor_parallel={tp} must divide {name}={getattr(config, name)}")
     if lora_rank % tp:
         raise ValueError(f"tensor_parallel={tp} must divide the LoRA rank {lora_rank}")
+    if tp > 1 and getattr(config, "is_hybrid", False):
+        raise ValueError(f"tensor_parallel={tp}: {config.model_type}'s linear-attention layers have no tensor-parallel "
+                         "layout yet; use data (and pipeline) parallel")
     if parallel.expert_parallel > 1 and (not config.num_experts or config.num_experts % parallel.expert_parallel):
         raise ValueError(f"expert_parallel={parallel.expert_parallel} must divide num_experts={config.num_experts}"
                          + (" (this model is dense: use expert_parallel=1)" if not config.num_experts else ""))

@@ -54,6 +54,12 @@ def fit(model: nn.Cell, train_data: TokenDataset, config: TrainerConfig,
         TrainingDiverged: see ``divergence`` (docs/training.md, "Divergence").
     """
     pipeline = parallel is not None and parallel.pipeline_parallel > 1
+    model_config = getattr(model, "config", None)
+    if getattr(model_config, "is_hybrid", False) and any(d is not None and d.position_ids is not None
+                                                         for d in (train_data, eval_data)):
+        raise ValueError(f"{model_config.model_type}: its linear-attention layers carry a state across a row, so "
+                         "packed samples (position_ids) would see each other; train one sample per row or "
+                         "without data.reset_positions")
     if train_data.pairs:
         from mindqwen.preference import PreferenceLoss, default_preference_loss
         loss_net = loss_net if loss_net is not None else default_preference_loss(model, train_data)

@@ -20,6 +20,6 @@ def apply_recompute(model: nn.Cell, mode: str, every: int = 1) -> int:
         return 0
     layers = [cell for _, cell in model.cells_and_names() if isinstance(cell, DecoderLayer)]
     for layer in layers[::every]:
-        {"full": layer, "attention": layer.self_attn, "mlp": layer.mlp}[mode].recompute()
+        {"full": layer, "attention": layer.mixer, "mlp": layer.mlp}[mode].recompute()
     invalidate_compiled_graphs(model)  # a recomputed layer is inlined (share_layer_graphs)
     return len(layers[::every])

@@ -22,7 +22,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from mindqwen.data.loader import IGNORE_INDEX
+from mindqwen.config import IGNORE_INDEX
 from mindqwen.models.graph import invalidate_compiled_graphs, sync_with_weights
 from mindqwen.train.distributed import ParallelConfig
 
