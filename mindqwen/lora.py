@@ -70,7 +70,7 @@ PEFT_ARGUMENTS = {
     "use_bdlora": ((None, False), "BD-LoRA is not implemented"),
     "ensure_weight_tying": ((None, False), "adapting tied embeddings together is not implemented"),
     **{name: ((None, {}), "this LoRA variant is not implemented")
-       for name in ("arrow_config", "kasa_config", "lora_ga_config", "monteclora_config", "velora_config")},
+       for name in ("arrow_config", "astra_config", "kasa_config", "lora_ga_config", "monteclora_config", "velora_config")},
 }
 INIT_LORA_WEIGHTS = {True: "default", "gaussian": "gaussian", "pissa": "pissa"}
 

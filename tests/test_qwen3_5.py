@@ -121,3 +121,30 @@ def test_what_is_not_built_yet_is_refused_by_name():
     packed = TokenDataset(rows, rows, position_ids=np.tile(np.array([0, 1, 2, 0, 1, 2, 3, 0], np.int32), (2, 1)))
     with pytest.raises(ValueError, match="packed samples"):
         fit(model, packed, TrainerConfig(max_steps=1))
+
+
+def test_fused_expert_checkpoints_load(tmp_path):
+    """Experts kept fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], as the published
+    Qwen3.5-MoE folders keep them) load to the same model as HF's per-expert tensors."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    source = fixture_path("qwen3_5", "qwen3_5_moe_tiny")
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    fused, experts = {}, {}
+    for key, value in tensors.items():
+        head, sep, rest = key.partition(".mlp.experts.")
+        if sep and rest[0].isdigit():
+            e, proj = int(rest.split(".")[0]), rest.split(".")[1]
+            experts.setdefault(head, {}).setdefault(proj, {})[e] = value
+        else:
+            fused[key] = value
+    for head, projs in experts.items():
+        n = len(projs["gate_proj"])
+        fused[f"{head}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)])
+        fused[f"{head}.mlp.experts.down_proj"] = np.stack([projs["down_proj"][e] for e in range(n)])
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    shutil.copy(os.path.join(source, "config.json"), tmp_path / "config.json")
+    model, g = load("qwen3_5_moe_tiny")
+    from_fused = QwenForCausalLM.from_pretrained(str(tmp_path))
+    assert all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(model.get_parameters(), from_fused.get_parameters()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -78,6 +78,31 @@ def unstack_experts(state: Dict[str, LazyTensor], fmt: str, num_experts: int) ->
                 for j, proj in enumerate(projs):
                     out[EXPERT.format(i=i, e=e, proj=proj)] = LazyTensor((rows, cols), whole.dtype,
                                                                          partial(split.take, e, j))
+    return out
+
+
+# Fused routed experts, as some checkpoints keep them (Qwen3.5-MoE's published folders): per layer one
+# ``…mlp.experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and one
+# ``…mlp.experts.down_proj`` [E, H, I], without a ``.weight`` suffix.
+_FUSED_EXPERTS = re.compile(r"(.*\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def unfuse_experts(shapes: Dict[str, tuple], read: Callable[[str], np.ndarray]) -> Dict[str, Tuple[str, LazyTensor]]:
+    """A checkpoint's fused expert tensors (``shapes``: key → shape; ``read(key)`` its fp32 array) as HF's
+    per-expert names: {``…experts.{e}.{gate,up,down}_proj.weight``: (the fused key, a lazy [out, in] slice)}.
+    Each fused tensor is read once, when its first slice is loaded, and released after its last."""
+    out = {}
+    for key, shape in shapes.items():
+        m = _FUSED_EXPERTS.match(key)
+        if m is None or len(shape) != 3:
+            continue
+        projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+        num, rows, cols = shape
+        split = _Split(LazyTensor(tuple(shape), np.dtype(np.float32), partial(read, key)), num, len(projs), True)
+        for e in range(num):
+            for part, proj in enumerate(projs):
+                out[f"{m.group(1)}.{e}.{proj}.weight"] = (key, LazyTensor((rows // len(projs), cols), np.dtype(np.float32),
+                                                                          partial(split.take, e, part)))
     return out
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from mindqwen.config import QwenConfig
 from mindqwen.io.atomic import staged_files
-from mindqwen.io.experts import expert_slice, stack_experts, unstack_experts
+from mindqwen.io.experts import expert_slice, stack_experts, unfuse_experts, unstack_experts
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
 
@@ -110,7 +110,9 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
     """
     files = open_checkpoint(folder, allow_non_finite)
     config: QwenConfig = model.config
-    names = sanitize(list(files), config)
+    fused = unfuse_experts({k: tuple(f.shape(k)) for k, f in files.items()}, lambda k: files[k].get(k, np.float32))
+    sources = {source for source, _ in fused.values()}
+    names = sanitize([k for k in files if k not in sources] + list(fused), config)
     note = text_only_note(list(files), folder)
     if note:
         print(note)
@@ -127,13 +129,15 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
     for key, name in names.items():
         if name not in expected:
             continue
-        f = files[key]
-        if tuple(f.shape(key)) != tuple(expected[name]):
-            raise CheckpointError(f"{f.path}: tensor {key} has shape {list(f.shape(key))}, "
+        source, sliced = fused.get(key, (key, None))  # a fused expert tensor's slice, or the key's own
+        f = files[source]
+        shape = sliced.shape if sliced is not None else tuple(f.shape(key))
+        if shape != tuple(expected[name]):
+            raise CheckpointError(f"{f.path}: tensor {key} has shape {list(shape)}, "
                                   f"the model expects {list(expected[name])}")
         target = params[(expert_slice(name) or (name,))[0]]
         np_dtype = np.dtype(np.float16 if target.dtype == ms.float16 else np.float32)
-        state[name] = LazyTensor(tuple(f.shape(key)), np_dtype, partial(f.get, key, np_dtype))
+        state[name] = sliced if sliced is not None else LazyTensor(shape, np_dtype, partial(f.get, key, np_dtype))
     # HF's per-expert tensors → the model's stacked ones; a projection missing some experts
     # (strict=False) gets the present ones slice by slice
     state.update(stack_experts(state, "stacked", getattr(config, "num_experts", 0)))

@@ -29,6 +29,7 @@ from mindspore import nn
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.atomic import atomic_folder
 from mindqwen.io.safetensors import CheckpointError, SafetensorsFile, check_finite, is_finite, save_file
+from mindqwen.models.graph import invalidate_compiled_graphs
 
 _STEP_DIR = re.compile(r"step_(\d{8})$")
 STATE_FILE, MODEL_FILE, OPTIM_FILE, RECIPE_FILE = (
@@ -149,6 +150,9 @@ def load(path: str, model: nn.Cell, optimizer: nn.Optimizer, scaler: ms.amp.Dyna
     for f, params in parts:
         for name, p in params.items():
             p.set_data(ms.Tensor(f.raw(name).copy()).astype(p.dtype))
+    # A graph compiled before (an evaluation before training) keeps reading the old values through
+    # the layers compiled once (no_inline), whatever set_data wrote: compile them again.
+    invalidate_compiled_graphs(model)
     return state
 
 

@@ -51,7 +51,12 @@ def tiny_config(config: QwenConfig) -> QwenConfig:
         moe = dict(num_experts=4, num_experts_per_tok=min(config.num_experts_per_tok, 2), moe_intermediate_size=32,
                    shared_expert_intermediate_size=64 if config.shared_expert_intermediate_size else 0,
                    mlp_only_layers=[i for i in config.mlp_only_layers if i < TINY["num_hidden_layers"]])
-    return dataclasses.replace(config, **TINY, **moe, num_key_value_heads=kv, rope_scaling=None,
+    hybrid = {}
+    if config.is_hybrid:  # both layer kinds (linear attention, then full), small linear-attention heads
+        hybrid = dict(full_attention_interval=TINY["num_hidden_layers"], linear_num_key_heads=2,
+                      linear_num_value_heads=4 if config.linear_num_value_heads > config.linear_num_key_heads else 2,
+                      linear_key_head_dim=16, linear_value_head_dim=16)
+    return dataclasses.replace(config, **TINY, **moe, **hybrid, num_key_value_heads=kv, rope_scaling=None,
                                layer_types=None, sliding_window=None, use_sliding_window=False)
 
 
