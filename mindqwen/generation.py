@@ -27,9 +27,10 @@ from tqdm import tqdm
 from mindqwen.config import QwenConfig
 from mindqwen.models.graph import in_mode, kept_on_model
 from mindqwen.models.kv_cache import (CachedLM, CachedStep, CacheLayout, ImageCachedStep, ImageConditionedLM,
-                                      ImageKeysValues)
+                                      ImageKeysValues, linear_states)
 
 CACHE_BLOCK = 64
+PREFILL_BUCKET = 64  # a hybrid model's prompts pad to a multiple of this (its prefill compiles per shape)
 FILTER_ACTIONS = ("drop", "mask", "stop")
 # on_token(row, token_id, text_delta): text_delta is "" without a tokenizer or while a
 # character (or a possible blocked pattern) is incomplete.
@@ -361,10 +362,20 @@ class StepGraphs:
         """Keys (or values) of an empty cache: (L, rows, KV, length, D)."""
         return CacheLayout.of(self.config, rows, length).zeros(self.dtype)
 
+    @property
+    def state_count(self) -> int:
+        """How many linear-attention state tensors travel beside the cache (``linear_states``)."""
+        return 2 if "linear_attention" in self.config.layer_types else 0
+
+    def zero_states(self, rows: int) -> Tuple[Tensor, ...]:
+        """A hybrid model's empty linear-attention states (``linear_states``); () for other models."""
+        return linear_states(self.config, rows)
+
 
 class _Prefilled(NamedTuple):
-    """Joining rows after prefill: the last positions' logits (R, V), their state (k, v and,
-    multimodal, the image keys and values: rows on axis 1 of each) and their slot mask (R, C)."""
+    """Joining rows after prefill: the last positions' logits (R, V), their state (k, v, a hybrid
+    model's linear-attention states and, multimodal, the image keys and values: rows on axis 1 of
+    each) and their slot mask (R, C)."""
 
     logits: Tensor
     state: Tuple[Tensor, ...]
@@ -405,6 +416,7 @@ class SlotBatch:
         self.tokenizer, self.filter = tokenizer, output_filter
         self.rows: List[Optional[_Row]] = []  # one per cache row; None = free
         self.k = self.v = None  # (L, R, KV, C, D) in the model's dtype
+        self.states = ()  # a hybrid model's linear-attention states (``linear_states``), rows on axis 1
         self.images = ()  # multimodal: cross-attention keys and values (C, R, heads, Nv, D)
         self.mask = np.zeros((0, 0), np.int32)  # (R, C): 1 = a real token in that slot
         self.done: List[_Row] = []
@@ -449,6 +461,8 @@ class SlotBatch:
         if not rows:
             return
         s = max(len(r.prompt) for r in rows)
+        if self.steps.state_count:  # static prefill shapes (compiled_steps): prompts padded to a bucket
+            s = _round_up(s, PREFILL_BUCKET)
         length = cache_length(max([s + r.writes_left() for r in rows] +
                                   [r.slot + r.writes_left() for r in self.active]))
         joining = self._prefill(rows, s, length)  # first: a failure changes nothing
@@ -476,8 +490,9 @@ class SlotBatch:
                 row.sees_image |= row.tokens[-1] == self.steps.image_token_id
                 sees[i] = row.sees_image
         images = (*self.images, Tensor(sees)) if self.images else ()
-        logits, self.k, self.v = self.steps.decode(Tensor(ids), Tensor(positions), Tensor(self.mask),
-                                                   Tensor(slots), self.k, self.v, *images)
+        logits, self.k, self.v, *states = self.steps.decode(Tensor(ids), Tensor(positions), Tensor(self.mask),
+                                                            Tensor(slots), self.k, self.v, *self.states, *images)
+        self.states = tuple(states)
         logits = logits.asnumpy()
         for i, row in enumerate(self.rows):
             if row is not None:
@@ -514,11 +529,12 @@ class SlotBatch:
                 row.sees_image = bool(sees[i, -1, 0])
         slots = np.tile(np.arange(s, dtype=np.int32), (len(rows), 1))
         images = () if image is None else image.rows_keys_values([r.image for r in rows], self.steps.dtype)
-        logits, k, v = self.steps.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
-                                          self.steps.zero_cache(len(rows), length),
-                                          self.steps.zero_cache(len(rows), length),
-                                          *(images + (Tensor(sees),) if images else ()))
-        return _Prefilled(logits, (k, v) + images, mask)
+        logits, k, v, *states = self.steps.prefill(Tensor(ids), Tensor(positions), Tensor(mask), Tensor(slots),
+                                                   self.steps.zero_cache(len(rows), length),
+                                                   self.steps.zero_cache(len(rows), length),
+                                                   *self.steps.zero_states(len(rows)),
+                                                   *(images + (Tensor(sees),) if images else ()))
+        return _Prefilled(logits, (k, v, *states) + images, mask)
 
     def _leave(self) -> None:
         """Move ended rows to ``done``; shrink the cache if the rows left need less."""
@@ -529,6 +545,7 @@ class SlotBatch:
         live = self.active
         if not live:
             self.rows, self.k, self.v, self.mask, self.images = [], None, None, np.zeros((0, 0), np.int32), ()
+            self.states = ()
             return
         if not self.shrink:
             return
@@ -541,9 +558,9 @@ class SlotBatch:
         first, ``length`` slots each."""
         rows = _rows_bucket(len(live), self.max_rows) if self.shrink else self.max_rows
         present = [i for i, r in enumerate(self.rows) if r is not None]
-        states, mask = [], []  # per source: (k, v, image keys, image values), rows on axis 1
+        states, mask = [], []  # per source: (k, v, linear-attention states, image keys, values), rows on axis 1
         if present:
-            states.append((_fit_slots(self.k, length, 3), _fit_slots(self.v, length, 3)) + self.images)
+            states.append((_fit_slots(self.k, length, 3), _fit_slots(self.v, length, 3)) + self.states + self.images)
             mask.append(_fit_slots(self.mask, length, 1))
         if joining is not None:
             states.append(joining.state), mask.append(joining.mask)
@@ -552,8 +569,9 @@ class SlotBatch:
         take += [take[0]] * (rows - len(take))  # free rows: any data, masked out
         index = Tensor(np.array(take, np.int32))
         state = [ops.gather(ops.cat(parts, 1) if len(parts) > 1 else parts[0], index, 1) for parts in zip(*states)]
-        self.k, self.v, *images = state
-        self.images = tuple(images)
+        n = self.steps.state_count
+        self.k, self.v = state[0], state[1]
+        self.states, self.images = tuple(state[2:2 + n]), tuple(state[2 + n:])
         self.mask = np.concatenate(mask)[take]
         self.mask[len(live):] = 0
         self.rows = live + [None] * (rows - len(live))
@@ -658,7 +676,10 @@ def compiled_steps(model) -> tuple:
         multimodal = isinstance(model, ImageConditionedLM)
         step = ImageCachedStep if multimodal else CachedStep
         prefill, decode = step(model), step(model)
-        prefill.set_inputs(*_dynamic_prefill_inputs(model.cache_dtype, multimodal))
+        # A hybrid model's chunked delta rule unrolls one state update per chunk of the prompt: its
+        # prefill compiles per prompt bucket (PREFILL_BUCKET) instead of once for any shape.
+        if "linear_attention" not in model.config.layer_types:
+            prefill.set_inputs(*_dynamic_prefill_inputs(model.cache_dtype, multimodal))
         return prefill, decode, ImageKeysValues(model) if multimodal else None
     return kept_on_model(model, "_mindqwen_steps", build)
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from conftest import fixture_path
 from mindqwen.config import QwenConfig
+from mindqwen.generation import GenerationConfig, Generator, generate
 from mindqwen.models.qwen import QwenForCausalLM
 
 LOGIT_TOL = {"qwen3_5_tiny": 1e-5, "qwen3_5_moe_tiny": 2e-5}
@@ -106,22 +107,61 @@ def test_gradients_equal_hf(name):
 
 
 def test_what_is_not_built_yet_is_refused_by_name():
-    from mindqwen.config import ConfigError
     from mindqwen.data.loader import TokenDataset
-    from mindqwen.models.kv_cache import CacheLayout
     from mindqwen.train.config import TrainerConfig
     from mindqwen.train.distributed import ParallelConfig, check_model_layout
     from mindqwen.train.loop import fit
     model, _ = load("qwen3_5_tiny")
-    with pytest.raises(ConfigError, match="qwen3_5: its linear-attention layers keep a recurrent state"):
-        CacheLayout.of(model.config, 1, 16)
     with pytest.raises(ValueError, match="tensor_parallel=2: qwen3_5's linear-attention layers"):
         check_model_layout(model.config, ParallelConfig(tensor_parallel=2))
+    from mindqwen.export.mindir import check_export
+    with pytest.raises(ValueError, match="exporting its linear-attention states"):
+        check_export(model.config, [1], 64, [64], "float32", "Ascend310", None, [])
     rows = np.zeros((2, 8), np.int32)
     packed = TokenDataset(rows, rows, position_ids=np.tile(np.array([0, 1, 2, 0, 1, 2, 3, 0], np.int32), (2, 1)))
     with pytest.raises(ValueError, match="packed samples"):
         fit(model, packed, TrainerConfig(max_steps=1))
 
+
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny"])
+def test_greedy_generation_equals_hf(name):
+    """20 greedy tokens after a 30-token prompt, and after a left-padded one: HF's with its cache (its
+    recurrent and convolution states), which equal its tokens without one."""
+    model, g = load(name)
+    assert np.array_equal(generate(model, g["gen_prompt"].astype(np.int32), max_new_tokens=20), g["gen_ids"])
+    padded = generate(model, g["gen_prompt_padded"].astype(np.int32), max_new_tokens=20,
+                      attention_mask=g["gen_attention_mask_padded"].astype(np.int32))
+    assert np.array_equal(padded, g["gen_ids_padded"])
+
+
+def test_rows_joining_a_running_batch_keep_their_own_states():
+    """Continuous batching: A decodes, B joins after three steps, C (a shorter prompt) two steps later;
+    each row's linear-attention states travel with it, so every row gives HF's tokens for its prompt."""
+    model, g = load("qwen3_5_tiny")
+    pad = int((g["gen_attention_mask_padded"][1] == 0).sum())
+    prompts = {"A": g["gen_prompt"][0].tolist(), "B": g["gen_prompt"][1].tolist(),
+               "C": g["gen_prompt_padded"][1, pad:].tolist()}
+    expected = {"A": g["gen_ids"][0, 30:].tolist(), "B": g["gen_ids"][1, 30:].tolist(),
+                "C": g["gen_ids_padded"][1, 30:].tolist()}
+    generator = Generator(model)
+    batch, tokens = generator.batch(max_rows=4), {key: [] for key in prompts}
+
+    def join(key):
+        batch.join([prompts[key]], [GenerationConfig(max_new_tokens=20)], [key],
+                   lambda owner, tok, _text: tokens[owner].append(tok))
+
+    def step():
+        batch.step(lambda owner, tok, _text: tokens[owner].append(tok))
+    with generator.graph_mode():
+        join("A")
+        for _ in range(3):
+            step()
+        join("B")
+        step(), step()
+        join("C")
+        while batch.active:
+            step()
+    assert tokens == expected
 
 def test_fused_expert_checkpoints_load(tmp_path):
     """Experts kept fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], as the published

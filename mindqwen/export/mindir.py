@@ -145,6 +145,9 @@ def check_export(config: QwenConfig, batch_sizes: Sequence[int], max_seq_len: in
     """Every argument of an export of a model with ``config`` checked before anything is written
     (and by ``mindqwen validate`` before training): ``ValueError`` naming it (``FileNotFoundError``
     for a tokenizer file)."""
+    if "linear_attention" in config.layer_types:
+        raise ValueError(f"{config.model_type}: exporting its linear-attention states (fixed-size graph inputs and "
+                         "outputs beside the KV cache) is not built yet; generation and serving run it")
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):

@@ -17,13 +17,13 @@ later is at a lower slot). ``attention_mask`` (B, MAX) marks which slots hold re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Tuple, runtime_checkable
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindqwen.config import ConfigError, QwenConfig
+from mindqwen.config import QwenConfig
 
 
 
@@ -70,12 +70,10 @@ class CacheLayout:
 
     @classmethod
     def of(cls, config: QwenConfig, batch_size: int, max_len: int) -> "CacheLayout":
-        if config.is_hybrid:
-            raise ConfigError(f"{config.model_type}: its linear-attention layers keep a recurrent state beside the "
-                              "KV cache, which generation, serving and export do not hold yet; training, scoring "
-                              "and log-likelihood evaluation run")
-        return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads, max_len,
-                   config.head_dim)
+        """The cache of ``config``'s attention layers (a hybrid model's linear-attention layers keep
+        ``linear_states`` instead)."""
+        layers = sum(kind != "linear_attention" for kind in config.layer_types)
+        return cls(layers, batch_size, config.num_key_value_heads, max_len, config.head_dim)
 
     @property
     def shape(self) -> tuple:
@@ -89,6 +87,19 @@ class CacheLayout:
         return 2 * int(np.prod(self.shape)) * dtype.itemsize
 
 
+def linear_states(config: QwenConfig, batch_size: int) -> Tuple[Tensor, ...]:
+    """The empty states of a hybrid model's linear-attention layers, rows on axis 1: the convolution's
+    last inputs (L, B, conv_dim, K−1) and the delta rule's state (L, B, Hv, dk, dv), fp32, L the
+    linear-attention layers; their size does not depend on the sequence length. () for other models."""
+    layers = sum(kind == "linear_attention" for kind in config.layer_types)
+    if not layers:
+        return ()
+    conv_dim = config.linear_attention_shapes()["conv1d.weight"][0]
+    return (ops.zeros((layers, batch_size, conv_dim, config.linear_conv_kernel_dim - 1), ms.float32),
+            ops.zeros((layers, batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
+                       config.linear_value_head_dim), ms.float32))
+
+
 class CachedStep(nn.Cell):
     """``model.cached`` as a Cell: the graph that prefill (T = S) and decode (T = 1) compile from.
 
@@ -100,9 +111,9 @@ class CachedStep(nn.Cell):
         super().__init__(auto_prefix=False)  # keep the model's parameter names in exports
         self.model = model
 
-    def construct(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
+    def construct(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache, *states):
         return self.model.cached(input_ids, position_ids, attention_mask, cache_position,
-                                 k_cache, v_cache)
+                                 k_cache, v_cache, *states)
 
 
 class ImageCachedStep(nn.Cell):

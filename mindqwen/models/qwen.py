@@ -360,6 +360,17 @@ class DecoderLayer(nn.Cell):
             return self.apply_cached(self.weights(), x, cos, sin, mask, k_cache, v_cache, cache_position)
         return self.cached_once(x, cos, sin, mask, k_cache, v_cache, cache_position, *self.weights())
 
+    def cached_state(self, x, keep, conv_state, recurrent_state):
+        """A linear-attention layer's generation step: x (B, T, H) after the tokens that left
+        conv_state (B, conv_dim, K−1) and recurrent_state (B, Hv, dk, dv); keep (B, T), 1 = a real
+        token. Returns x (B, T, H) and the two states after x."""
+        a, conv_state, recurrent_state = self.linear_attn.cached(self.input_layernorm(x), conv_state,
+                                                                 recurrent_state, keep)
+        x = x + a
+        if self.sparse:
+            return self._feed_forward(x)[0], conv_state, recurrent_state
+        return self._feed_forward(x), conv_state, recurrent_state
+
     def apply_cached(self, w, x, cos, sin, mask, k_cache, v_cache, cache_position):
         """A dense layer's KV-cache step with ``weights()`` w."""
         w = split_weights(w, self.parts())
@@ -498,26 +509,39 @@ class QwenModel(nn.Cell):
             x = x.astype(self.hidden_dtype)
         return x, cos, sin, masked, window_masked
 
-    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
+    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache,
+               conv_state=None, recurrent_state=None):
         """One generation step over T new tokens with a static-shape KV cache.
 
         input_ids, position_ids (B, T) int32 (positions count real tokens only);
         attention_mask (B, MAX) int32, 1 = a real token in that cache slot (this step's included);
         cache_position (B, T) int32, the slots each row writes (its own write pointer, so rows
         that joined a running batch at different times share one static shape);
-        k_cache/v_cache (L, B, KV, MAX, D).
-        Returns the normed hidden states (B, T, H) and the updated caches.
+        k_cache/v_cache (L, B, KV, MAX, D), L the attention layers. A hybrid model's
+        linear-attention layers keep fixed-size states instead (``models/kv_cache.py``):
+        conv_state (L_linear, B, conv_dim, K−1) and recurrent_state (L_linear, B, Hv, dk, dv), fp32.
+        Returns the normed hidden states (B, T, H) and the updated caches (and states).
         """
         x, cos, sin, masked, window_masked = self.prepare_cached(input_ids, position_ids, attention_mask,
                                                                  cache_position, k_cache.shape[3])
-        keys, values = (), ()
+        keys, values, convs, recurrents = (), (), (), ()
         # One Unstack, not L StridedSlices: CPU StridedSlice on the 5-D cache costs ~1 ms each.
         k_layers, v_layers = ops.unstack(k_cache, 0), ops.unstack(v_cache, 0)
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.cached(x, cos, sin, window_masked if layer.sliding else masked,
-                                   k_layers[i], v_layers[i], cache_position)
-            keys, values = keys + (k,), values + (v,)
-        return self.norm(x), ops.stack(keys), ops.stack(values)
+        conv_layers = recurrent_layers = keep = None
+        if conv_state is not None:
+            conv_layers, recurrent_layers = ops.unstack(conv_state, 0), ops.unstack(recurrent_state, 0)
+            keep = ops.gather_elements(attention_mask, 1, cache_position).astype(x.dtype)  # (B, T): this step's tokens
+        for layer in self.layers:
+            if layer.linear:
+                x, conv, recurrent = layer.cached_state(x, keep, conv_layers[len(convs)], recurrent_layers[len(convs)])
+                convs, recurrents = convs + (conv,), recurrents + (recurrent,)
+            else:
+                x, k, v = layer.cached(x, cos, sin, window_masked if layer.sliding else masked,
+                                       k_layers[len(keys)], v_layers[len(keys)], cache_position)
+                keys, values = keys + (k,), values + (v,)
+        if conv_state is None:
+            return self.norm(x), ops.stack(keys), ops.stack(values)
+        return self.norm(x), ops.stack(keys), ops.stack(values), ops.stack(convs), ops.stack(recurrents)
 
     def prepare_cached(self, input_ids, position_ids, attention_mask, cache_position, max_len: int):
         """``prepare`` for a cached step: embeddings (B, T, H), rotary cos/sin and the masks
@@ -631,12 +655,12 @@ class QwenForCausalLM(nn.Cell):
             return loss, aux
         return loss, aux, dropped_share(router_logits, self.top_k, self.capacity_factor, self.capacity_multiple)
 
-    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache):
+    def cached(self, input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache, *states):
         """KV-cache step (see ``QwenModel.cached``): next-token logits (B, V) fp32 at the last
-        of the T positions, and the updated caches (L, B, KV, MAX, D)."""
-        h, k_cache, v_cache = self.model.cached(input_ids, position_ids, attention_mask,
-                                                cache_position, k_cache, v_cache)
-        return self.last_logits(h), k_cache, v_cache
+        of the T positions, and the updated caches (L, B, KV, MAX, D) (a hybrid model's
+        linear-attention states after them: ``states``, conv then recurrent)."""
+        out = self.model.cached(input_ids, position_ids, attention_mask, cache_position, k_cache, v_cache, *states)
+        return (self.last_logits(out[0]),) + out[1:]
 
     @property
     def cache_dtype(self):
