@@ -16,7 +16,7 @@ setup(
     # recipes/ ships inside the package as mindqwen.recipes (found with importlib.resources)
     packages=find_packages(include=["mindqwen", "mindqwen.*"]) + ["mindqwen.recipes"],
     package_dir={"mindqwen.recipes": "recipes"},
-    package_data={"mindqwen.recipes": ["*.md", "*/*.yaml"],  # the doctor's golden models (~0.5 MB):
+    package_data={"mindqwen.recipes": ["*.md", "*/*.yaml"],  # the doctor's golden models (~0.9 MB):
                   "mindqwen.doctor": ["goldens/*/*.json", "goldens/*/*.npz", "goldens/*/*.safetensors",
                                       "goldens/*/lora_adapter/*"]},
     install_requires=[

@@ -604,6 +604,9 @@ class ExecutionOptions:
         rotary_table: N: rotary cos/sin gathered from a table of positions 0..N-1 built once,
             so the graph holds no float64 op and no raw angle (exported graphs, whose cache
             holds N positions); None: computed per call, for any position.
+        float64: a linear-attention layer's decays (exp, softplus) through float64 kernels where the
+            device has them (the CPU: its fp32 exp is off by up to 1e-5 relative); False: the graph
+            holds no float64 op (exported graphs, for converters and devices without them).
     """
 
     compute_dtype: Optional[str] = None
@@ -612,6 +615,7 @@ class ExecutionOptions:
     batched_experts: bool = False
     loss_chunk_rows: Optional[int] = None
     rotary_table: Optional[int] = None
+    float64: bool = True
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "hidden_dtype"):

@@ -33,8 +33,11 @@ def test_quick_doctor_passes_every_check_the_cpu_runs(tmp_path):
     assert checks[1]["figures"]["dense_float16_max_rel"] <= doctor.LOW_TOL["float16"]
     step = checks[2]["figures"]
     assert step["worst_grad_rel"] <= doctor.GRAD_RTOL and step["compile_and_step_s"] > 0 and step["layers_compiled_once"]
+    assert checks[1]["figures"]["qwen3_5_max_rel"] <= doctor.HYBRID_RTOL
     assert checks[3]["figures"]["dense_equals_golden"] and checks[3]["figures"]["moe_equals_full_recompute"]
-    assert checks[4]["figures"]["tokens_identical"] and "converter_lite" in checks[4]["reason"]
+    assert checks[3]["figures"]["qwen3_5_equals_golden"] and checks[3]["figures"]["qwen3_5_equals_full_recompute"]
+    assert checks[4]["figures"]["dense_tokens_identical"] and checks[4]["figures"]["qwen3_5_tokens_identical"]
+    assert "converter_lite" in checks[4]["reason"]
     env = report["environment"]
     assert env["versions"]["mindspore"] == ms.__version__ and env["device"] == "CPU" and env["devices"]["count"] >= 1
     assert report["summary"] == {"PASS": 5, "FAIL": 0, "SKIP": 1}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PEER: HF transformers + PEFT Qwen3.5 (hybrid Gated DeltaNet) LoRA step or prefill on CPU, one JSON line.
+"""PEER: HF transformers + PEFT Qwen3.5 (hybrid Gated DeltaNet) LoRA step, prefill or decode on CPU, one JSON line.
 
 The Qwen3.5 counterpart of ``hf_moe.py``: ``Qwen3_5ForCausalLM`` built from a ``Qwen3_5TextConfig`` of
 the given dimensions (defaults: qwen3.5-0.8b's, ``mindqwen.presets``), random init (torch seed 0),
@@ -15,9 +15,22 @@ time after ``--warmup`` steps; ``first_step_s`` the first step (eager: no compil
 tokens without a cache (``use_cache=False``), the logits of the last position only
 (``logits_to_keep=1``, what a prefill needs for its first token; ``--all-logits``: every position);
 ``--steps`` forwards, the first ``--warmup`` untimed.
+``--decode``: no adapter, ``model.eval()``, greedy ``model.generate`` under ``torch.inference_mode()``
+as ``../shared/bench/peer_hf_lora.py --gen`` calls it (``max_new_tokens = min_new_tokens =
+--new-tokens``, ``use_cache=True``, ``do_sample=False``, ``num_beams=1``, ``eos_token_id=None``,
+``pad_token_id=0``, an all-ones attention mask) after a ``--prompt-len`` prompt
+``default_rng(1234).integers(0, vocab, (batch, prompt_len))``; ``--steps`` calls, the first
+``--warmup`` untimed. Each call is split by a streamer's timestamps (``put`` gets the prompt, then
+every step's tokens): ``prefill_s`` = call start → first new tokens, decode = first → last new
+tokens (N − 1 steps). Figures as ``benchmarks/qwen3_5.py --decode``'s: ``decode_tokens_per_s`` =
+batch·(N − 1) / median decode, ``ms_per_decode_step``, ``tokens_per_s`` = batch·N / median call,
+``gen_ms``, ``first_call_s``, ``first_token_s``, ``compile_s`` (first call − median call: eager, so
+only first-call overheads), ``wall_to_first_token_s``.
 
     PEER_VENV/bin/python benchmarks/peers/hf_qwen3_5.py [--train | --prefill] [--num-hidden-layers 4]
                          [--batch 1 --seq 512] [--steps 5 --warmup 1] [--targets q_proj,...]
+    PEER_VENV/bin/python benchmarks/peers/hf_qwen3_5.py --decode [--num-hidden-layers 4] [--batch 1 | 8]
+                         [--prompt-len 64 --new-tokens 64] [--steps 5 --warmup 1]
 """
 import argparse
 import importlib.util
@@ -26,7 +39,11 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # last: benchmarks/profile.py is no stdlib profile
+from decode_timing import decode_figures  # noqa: E402  (shared with benchmarks/qwen3_5.py)
 
 # qwen3.5-0.8b (mindqwen.presets, the published text_config)
 DEFAULTS = (("vocab-size", 248320), ("hidden-size", 1024), ("intermediate-size", 3584), ("num-hidden-layers", 24),
@@ -55,6 +72,7 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--train", action="store_true", help="LoRA step (the default)")
     mode.add_argument("--prefill", action="store_true", help="no-grad forward, no cache")
+    mode.add_argument("--decode", action="store_true", help="greedy generate: prompt, then --new-tokens")
     ap.add_argument("--all-logits", action="store_true", help="prefill: logits of every position")
     ap.add_argument("--targets", default=TARGETS, help="LoRA target_modules, comma-separated (or all-linear)")
     ap.add_argument("--batch", type=int, default=1)
@@ -62,6 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=64, help="decode: prompt tokens per row")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated per row (>= 2)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     t_start = time.perf_counter()
@@ -86,7 +106,7 @@ def main() -> None:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(config).float()
-    kind = "prefill" if a.prefill else "train"
+    kind = "prefill" if a.prefill else "decode" if a.decode else "train"
     fla = importlib.util.find_spec("fla") is not None
     conv = importlib.util.find_spec("causal_conv1d") is not None
     out = dict(harness="peer_hf_qwen3_5", benchmark=kind, threads=a.threads, attn="eager",
@@ -107,6 +127,11 @@ def main() -> None:
         out["targets"] = a.targets
     out["build_s"] = round(time.perf_counter() - t_import, 2)
     out["import_s"] = round(t_import - t_start, 2)
+    if kind == "decode":
+        out.update(decode(model, a, t_start), total_params=sum(p.numel() for p in model.parameters()),
+                   peak_rss_mb=round(peak_rss_mb()), pid=os.getpid())
+        print(json.dumps(out))
+        return
     data = torch.from_numpy(np.random.default_rng(1234).integers(0, a.vocab_size, (a.steps, a.batch, a.seq)))
     times, losses = [], []
     if kind == "train":
@@ -143,6 +168,47 @@ def main() -> None:
                total_params=sum(p.numel() for p in model.parameters()), peak_rss_mb=round(peak_rss_mb()),
                wall_to_first_step_s=round(wall, 2), pid=os.getpid())
     print(json.dumps(out))
+
+
+def decode(model, a, t_start: float) -> dict:
+    """Greedy generate calls, each split into prefill and decode by a streamer's timestamps."""
+    import numpy as np
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        """Arrival times of what generate streams: the prompt, then each step's new tokens."""
+
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    if a.new_tokens < 2 or a.steps <= a.warmup:
+        raise SystemExit("--decode needs --new-tokens >= 2 and --steps > --warmup")
+    model.eval()
+    prompt = torch.from_numpy(np.random.default_rng(1234).integers(0, a.vocab_size, (a.batch, a.prompt_len)))
+    common = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
+                  do_sample=False, use_cache=True, num_beams=1, eos_token_id=None, pad_token_id=0)
+    calls = []  # (call, prefill, decode) seconds
+    for i in range(a.steps):
+        stamps = Stamps()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            ids = model.generate(prompt, streamer=stamps, **common)
+        end = time.perf_counter()
+        first, last = stamps.times[1], stamps.times[-1]  # [0] is the prompt
+        assert len(stamps.times) == a.new_tokens + 1 and ids.shape == (a.batch, a.prompt_len + a.new_tokens)
+        calls.append((end - t0, first - t0, last - first))
+        if i == 0:
+            wall = first - t_start
+    return dict(batch=a.batch, prompt_len=a.prompt_len, new_tokens=a.new_tokens, steps=a.steps, warmup=a.warmup,
+                **decode_figures(calls, a.batch, a.new_tokens, a.warmup), wall_to_first_token_s=round(wall, 2),
+                first_new_ids=ids[0, a.prompt_len:a.prompt_len + 8].tolist())
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@
 It writes down the versions (Python, NumPy, MindSpore, CANN and the driver where present, mindqwen
 and its extras) and the devices, then runs numbered checks against golden models shipped with the
 package (``goldens/``: a dense Qwen2 with a PEFT LoRA adapter, a Qwen3 mixture of experts, the
-original Qwen layout; their references come from HF transformers + PEFT, and for the original
-Qwen from a float64 numpy forward of its published math). Each check is PASS, FAIL or SKIP, with
+original Qwen layout, a Qwen3.5 hybrid (Gated DeltaNet and gated attention layers); their references
+come from HF transformers + PEFT, and for the original Qwen from a float64 numpy forward of its
+published math). Each check is PASS, FAIL or SKIP, with
 its figures and, for SKIP, the reason:
 
 1. logits of the golden models in float32, and in the device's low-precision dtype;
 2. a graph-mode LoRA train step: the loss and every LoRA gradient, and its compile time;
-3. KV-cache generation: greedy tokens equal the golden and a full recomputation;
-4. MindIR export against the eager model, and ``converter_lite`` where it is installed;
+3. KV-cache generation (and the hybrid's linear-attention states): greedy tokens equal the golden
+   and a full recomputation;
+4. MindIR export against the eager model (the dense and the hybrid), and ``converter_lite`` where
+   it is installed;
 5. several devices: data parallel against one device (and, on Ascend, tensor and pipeline parallel);
 6. a mixture of experts: the expert path the device runs against the batched one.
 
@@ -37,6 +40,10 @@ GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens")
 # float32: two correct implementations that sum in another order differ by ~1e-5 on these logits
 # (|x| up to ~10); 5e-5 leaves room for the device's kernels, anything larger is a bug.
 LOGIT_TOL = 5e-5
+# The hybrid's 150 tokens run through three chunks of its delta rule, relative to the largest logit:
+# HF's own fp32 logits are 4.5e-6 off its float64 ones, and a device's fp32 exp in the decays adds up
+# to 1.1e-5 (measured on the CPU with float64 decays turned off).
+HYBRID_RTOL = 2e-5
 GRAD_RTOL = 1e-4  # ‖Δgrad‖ / ‖grad‖ of a float32 backward
 # Low precision, relative to the largest logit: unit roundoff u (fp16 2^-11, bf16 2^-8) grows
 # through ~10 rounded matmuls and norms of two layers to a few u: 16u bounds it with room.
@@ -119,14 +126,17 @@ def check_logits(device: str) -> Tuple[str, dict, str]:
     from mindqwen import from_pretrained
     from mindqwen.models.graph import configure
     figures = {}
-    for name in ("dense", "moe", "qwen1"):
+    for name in ("dense", "moe", "qwen1", "qwen3_5"):
         ref = golden_arrays(name)
         model = from_pretrained(golden(name))
         keys = ["input_ids"] if "input_ids" in ref else ["input_ids_6", "input_ids_20"]
         for key in keys:
-            logits = model(_tensor(ref[key])).asnumpy()
-            err = float(np.abs(logits - ref[key.replace("input_ids", "logits")]).max())
-            figures[f"{name}{key[len('input_ids'):]}_max_abs"] = err
+            logits, golden_logits = model(_tensor(ref[key])).asnumpy(), ref[key.replace("input_ids", "logits")]
+            err = float(np.abs(logits - golden_logits).max())
+            if model.config.is_hybrid:
+                figures[f"{name}_max_rel"] = err / float(np.abs(golden_logits).max())
+            else:
+                figures[f"{name}{key[len('input_ids'):]}_max_abs"] = err
     low = low_dtype(device)
     ref = golden_arrays("dense")
     model = from_pretrained(golden("dense"))
@@ -135,9 +145,11 @@ def check_logits(device: str) -> Tuple[str, dict, str]:
     scale = float(np.abs(ref["logits"]).max())
     low_err = float(np.abs(logits - ref["logits"]).max()) / scale
     figures.update({f"dense_{low}_max_rel": low_err, f"{low}_tolerance": LOW_TOL[low], "float32_tolerance": LOGIT_TOL,
+                    "hybrid_tolerance": HYBRID_RTOL,
                     f"dense_{low}_argmax_agreement": float(np.mean(logits.argmax(-1) == ref["logits"].argmax(-1)))})
     bad = [k for k, v in figures.items() if k.endswith("_max_abs") and not v <= LOGIT_TOL]  # NaN fails too
     bad += [f"dense_{low}_max_rel"] if not low_err <= LOW_TOL[low] else []
+    bad += ["qwen3_5_max_rel"] if not figures["qwen3_5_max_rel"] <= HYBRID_RTOL else []
     return (FAIL, figures, f"beyond tolerance: {', '.join(bad)}") if bad else (PASS, figures, "")
 
 
@@ -186,10 +198,10 @@ def check_generation(device: str) -> Tuple[str, dict, str]:
     from mindqwen import from_pretrained, generate
     from mindqwen.models.graph import in_mode
     figures, bad = {}, []
-    for name in ("dense", "moe"):
+    for name in ("dense", "moe", "qwen3_5"):
         ref = golden_arrays(name)
         model = from_pretrained(golden(name))
-        prompt = ref["input_ids"][:1]
+        prompt = ref.get("gen_prompt", ref["input_ids"])[:1]
         new = ref["gen_ids"].shape[1] - prompt.shape[1]
         cached = generate(model, prompt, max_new_tokens=new)
         seq = prompt.copy()
@@ -203,22 +215,27 @@ def check_generation(device: str) -> Tuple[str, dict, str]:
 
 
 def check_export(device: str) -> Tuple[str, dict, str]:
-    """4. Prefill + decode MindIR of the dense model against its eager forward (in a fresh
-    process), and converter_lite when it is installed."""
+    """4. Prefill + decode MindIR of the dense and the hybrid model (its linear-attention states as
+    graph inputs and outputs) against their eager forward (in a fresh process), and converter_lite
+    when it is installed."""
     from mindqwen import from_pretrained
     from mindqwen.export import export_model
-    with tempfile.TemporaryDirectory(prefix="mindqwen-doctor-") as tmp:
-        folder = os.path.join(tmp, "export")
-        manifest = export_model(from_pretrained(golden("dense")), folder, batch_sizes=(1,), max_seq_len=32,
-                                seq_buckets=[16], dtype="float32")
-        with open(os.path.join(folder, "parity.json"), encoding="utf-8") as f:
-            parity = json.load(f)
-    figures = {"max_abs_logit_diff": parity["eager_same_steps"]["max_abs_logit_diff"],
-               "tokens_identical": parity["eager_same_steps"]["tokens_identical"],
-               "converter_lite": manifest["lite"]["converted"]}
-    if not parity["passed"]:
-        return FAIL, figures, "the exported graphs disagree with the eager model"
-    if not manifest["lite"]["converted"]:
+    figures, bad, converted = {}, [], True
+    for name, buckets in (("dense", [16]), ("qwen3_5", [64])):
+        with tempfile.TemporaryDirectory(prefix="mindqwen-doctor-") as tmp:
+            folder = os.path.join(tmp, "export")
+            manifest = export_model(from_pretrained(golden(name)), folder, batch_sizes=(1,),
+                                    max_seq_len=buckets[-1] + 16, seq_buckets=buckets, dtype="float32")
+            with open(os.path.join(folder, "parity.json"), encoding="utf-8") as f:
+                parity = json.load(f)
+        figures.update({f"{name}_max_abs_logit_diff": parity["eager_same_steps"]["max_abs_logit_diff"],
+                        f"{name}_tokens_identical": parity["eager_same_steps"]["tokens_identical"]})
+        bad += [] if parity["passed"] else [name]
+        converted = converted and manifest["lite"]["converted"]
+    figures["converter_lite"] = converted
+    if bad:
+        return FAIL, figures, f"the exported graphs disagree with the eager model: {', '.join(bad)}"
+    if not converted:
         return PASS, figures, ("converter_lite is not on PATH, so the Ascend conversion was not run: install "
                                "MindSpore Lite's converter for this check to convert the graphs too")
     return PASS, figures, ""

@@ -7,9 +7,10 @@ One INI file per graph, in the layout of the MindSpore Lite Ascend converter
     [acl_init_options]    ge.socVersion, ge.exec.precision_mode
     [acl_build_options]   input_format=ND, input_shape (-1 = dynamic), ge.dynamicDims (gears)
 
-Every exported graph has a dynamic batch axis (and prefill a dynamic sequence axis); each gear
-fixes them to one (batch size, bucket) pair, so the device runs static shapes and prompts are
-padded up to a gear. A gear lists one value per ``-1`` in ``input_shape``, in input order.
+Every exported graph has a dynamic batch axis (and prefill a dynamic sequence axis, or one graph
+per bucket); each gear fixes them to one (batch size, bucket) pair, so the device runs static
+shapes and prompts are padded up to a gear. A gear lists one value per ``-1`` in ``input_shape``,
+in input order.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def default_precision(dtype: str) -> str:
 
 def gears(graph: dict, batch_sizes: List[int], buckets: List[int]) -> List[List[int]]:
     """One gear per (batch, bucket): a value for every -1 of every input, in input order.
-    Dynamic axis 0 of a (batch, …) input and axis 1 of the cache are the batch; others the sequence."""
+    Dynamic axis 0 of a (batch, …) input and axis 1 of the cache and the linear-attention states
+    (layers first) are the batch; others the sequence."""
     out = []
     for b in batch_sizes:
         for s in (buckets if graph["inputs"][0]["shape"][1] < 0 else [None]):
@@ -50,7 +52,8 @@ def gears(graph: dict, batch_sizes: List[int], buckets: List[int]) -> List[List[
             for i in graph["inputs"]:
                 for axis, d in enumerate(i["shape"]):
                     if d < 0:
-                        is_batch = (axis == 1) if i["name"].endswith("_cache") else (axis == 0 and len(i["shape"]) > 1)
+                        layers_first = i["name"].endswith(("_cache", "_state"))
+                        is_batch = (axis == 1) if layers_first else (axis == 0 and len(i["shape"]) > 1)
                         gear.append(b if is_batch else s)
             out.append(gear)
     return out
@@ -63,7 +66,7 @@ def config_text(name: str, graph: dict, manifest: dict, target: str, precision_m
     return "\n".join([
         f"# converter_lite config for {graph['file']} → {target} (written by mindqwen export)",
         f"# {name}: {manifest['dtype']} weights; gears = batch sizes {manifest['batch_sizes']}"
-        + (f" × prompt buckets {manifest['seq_buckets']}" if name == "prefill" else ""),
+        + (f" × prompt buckets {manifest['seq_buckets']}" if graph["inputs"][0]["shape"][1] < 0 else ""),
         "[ascend_context]",
         "input_format=ND",
         f"precision_mode={PRECISION_MODES[precision_mode]}",

@@ -38,7 +38,8 @@ from mindqwen.io.hf import no_init_parameters
 from mindqwen.io.jsonfile import write_json
 from mindqwen.lora import lora_layers
 from mindqwen.models.graph import in_mode
-from mindqwen.models.kv_cache import INPUT_NAMES, OUTPUT_NAMES, CachedStep, CacheLayout
+from mindqwen.models.kv_cache import (INPUT_NAMES, OUTPUT_NAMES, STATE_NAMES, CachedStep, CacheLayout,
+                                      linear_state_shapes)
 from mindqwen.models.qwen import QwenForCausalLM
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16}
@@ -50,14 +51,14 @@ RUNNER = os.path.join(os.path.dirname(__file__), "run_exported.py")
 
 
 def deploy_copy(model: QwenForCausalLM, dtype: str = "float32", max_seq_len: Optional[int] = None) -> QwenForCausalLM:
-    """A plain (LoRA merged in float64, no fused kernels) copy of ``model`` in ``dtype``;
+    """A plain (LoRA merged in float64, no fused kernels, no float64 op) copy of ``model`` in ``dtype``;
     ``max_seq_len``: its rotary cos/sin come from a table of that many positions, all an
     exported cache holds (``ExecutionOptions.rotary_table``), None: computed per call."""
     merged = {f"{path}.weight": layer.merged_weight_np() for path, layer in lora_layers(model).items()}
     source = {p.name: p for p in model.get_parameters()}
     with no_init_parameters():  # every weight is set below: no random init to pay for
         copy = QwenForCausalLM(model.config, DTYPES[dtype], use_fused_ops=False,
-                               options=ExecutionOptions(rotary_table=max_seq_len))
+                               options=ExecutionOptions(rotary_table=max_seq_len, float64=False))
     np_dtype = np.dtype(dtype)  # "float32" | "float16": the same names in NumPy
     for p in copy.get_parameters():
         value = merged[p.name] if p.name in merged else source[p.name].float().asnumpy()
@@ -76,21 +77,33 @@ def default_buckets(max_seq_len: int) -> List[int]:
 
 
 def graph_inputs(config: QwenConfig, max_seq_len: int, seq_len: Optional[int], dtype: str) -> List[dict]:
-    """Input signature of the step graph; ``seq_len`` None = dynamic (-1). Batch is dynamic."""
+    """Input signature of the step graph; ``seq_len`` None = dynamic (-1). Batch is dynamic.
+    A hybrid model's linear-attention states (fp32, fixed size) follow the cache."""
     layout = CacheLayout.of(config, -1, max_seq_len)
     t = -1 if seq_len is None else seq_len
     shapes = ([-1, t], [-1, t], [-1, max_seq_len], [-1, t], list(layout.shape), list(layout.shape))
     dtypes = ("int32",) * 4 + (dtype, dtype)
-    return [{"name": n, "shape": s, "dtype": d} for n, s, d in zip(INPUT_NAMES, shapes, dtypes)]
+    inputs = [{"name": n, "shape": s, "dtype": d} for n, s, d in zip(INPUT_NAMES, shapes, dtypes)]
+    return inputs + state_specs(config)
 
 
-def graph_specs(config: QwenConfig, max_seq_len: int, dtype: str) -> Dict[str, dict]:
-    """The manifest's ``graphs``: file, inputs and outputs of prefill (dynamic sequence) and decode."""
+def state_specs(config: QwenConfig) -> List[dict]:
+    """A hybrid model's linear-attention states as graph inputs/outputs (batch -1); [] for other models."""
+    return [{"name": n, "shape": list(s), "dtype": "float32"}
+            for n, s in zip(STATE_NAMES, linear_state_shapes(config, -1))]
+
+
+def graph_specs(config: QwenConfig, max_seq_len: int, dtype: str, buckets: Sequence[int] = ()) -> Dict[str, dict]:
+    """The manifest's ``graphs``: file, inputs and outputs of prefill and decode. Prefill has a
+    dynamic sequence axis, except a hybrid model's: its chunked delta rule runs one state update
+    per chunk of the prompt, a static count, so it has one prefill graph per bucket (``prefill_<S>``)."""
     layout = CacheLayout.of(config, -1, max_seq_len)
     outputs = [{"name": "logits", "shape": [-1, config.vocab_size], "dtype": "float32"}] + [
-        {"name": n, "shape": list(layout.shape), "dtype": dtype} for n in OUTPUT_NAMES[1:]]
+        {"name": n, "shape": list(layout.shape), "dtype": dtype} for n in OUTPUT_NAMES[1:]] + state_specs(config)
+    prefills = ([(f"prefill_{s}", s) for s in buckets] if "linear_attention" in config.layer_types
+                else [("prefill", None)])
     return {name: {"file": f"{name}.mindir", "inputs": graph_inputs(config, max_seq_len, seq_len, dtype),
-                   "outputs": outputs} for name, seq_len in (("prefill", None), ("decode", 1))}
+                   "outputs": outputs} for name, seq_len in prefills + [("decode", 1)]}
 
 
 def export_mindir(cell: nn.Cell, inputs: List[Tensor], folder: str, name: str) -> str:
@@ -128,7 +141,7 @@ def export_model(model: QwenForCausalLM, folder: str, batch_sizes: Sequence[int]
     check_export(model.config, batch_sizes, max_seq_len, buckets, dtype, target, precision_mode, tokenizer_files)
     with atomic_folder(folder) as staging:
         plain = deploy_copy(model, dtype, max_seq_len)
-        graphs = graph_specs(plain.config, max_seq_len, dtype)
+        graphs = graph_specs(plain.config, max_seq_len, dtype, buckets)
         for name, graph in graphs.items():
             graph["file"] = export_mindir(CachedStep(plain), placeholders(graph["inputs"]), staging, name)
         manifest = write_manifest(staging, model.config, graphs, dtype, max_seq_len, list(batch_sizes), buckets,
@@ -145,9 +158,6 @@ def check_export(config: QwenConfig, batch_sizes: Sequence[int], max_seq_len: in
     """Every argument of an export of a model with ``config`` checked before anything is written
     (and by ``mindqwen validate`` before training): ``ValueError`` naming it (``FileNotFoundError``
     for a tokenizer file)."""
-    if "linear_attention" in config.layer_types:
-        raise ValueError(f"{config.model_type}: exporting its linear-attention states (fixed-size graph inputs and "
-                         "outputs beside the KV cache) is not built yet; generation and serving run it")
     if dtype not in DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
@@ -176,11 +186,15 @@ def write_manifest(folder: str, config: QwenConfig, graphs: Dict[str, dict], dty
     manifest = {
         "format": "mindqwen-export/1",
         "model": {k: getattr(c, k) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                             "num_attention_heads", "num_key_value_heads", "head_dim")},
+                                             "num_attention_heads", "num_key_value_heads", "head_dim",
+                                             "layer_types")},
         "dtype": dtype, "max_seq_len": max_seq_len, "batch_sizes": batch_sizes, "seq_buckets": buckets,
-        "cache": {"layout": "layers, batch, kv_heads, slot, head_dim", "dtype": dtype,
-                  "shape": [c.num_hidden_layers, -1, c.num_key_value_heads, max_seq_len, c.head_dim],
+        "cache": {"layout": "attention layers, batch, kv_heads, slot, head_dim", "dtype": dtype,
+                  "shape": list(CacheLayout.of(c, -1, max_seq_len).shape),
                   "padding": "left: the prompt fills slots 0..S-1, decode step i writes slot S+i"},
+        # A hybrid model's linear-attention layers carry these instead of a cache: zeros before prefill,
+        # then each call's outputs go into the next; fixed size, whatever the sequence length.
+        "states": state_specs(c),
         "graphs": graphs, "tokenizer": copy_tokenizer(tokenizer_files, folder),
         "generation": {"eos_token_id": c.eos_token_id, **(generation or {})},
     }
@@ -222,7 +236,7 @@ def check_parity(model: QwenForCausalLM, folder: str, manifest: dict, new_tokens
     forwards = {"full_recompute": full}
     if lora_layers(model):  # W + s·B·A rounds differently from the two-branch sum (PEFT: 1.6e-5)
         forwards["unmerged_lora"] = model
-    return parity_report(folder, manifest, {"prefill": step, "decode": step}, forwards, prompts, new_tokens)
+    return parity_report(folder, manifest, dict.fromkeys(manifest["graphs"], step), forwards, prompts, new_tokens)
 
 
 def parity_prompts(manifest: dict, new_tokens: int, vocab_size: int, shortest: int = 1) -> List[List[int]]:

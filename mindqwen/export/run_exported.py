@@ -10,7 +10,9 @@ Copied into every export folder. Backends:
 
 Prompts are left-padded to the smallest exported sequence bucket (Lite gears are fixed shapes)
 and the batch is filled up to the smallest exported batch size with copies of the first row.
-The KV cache goes in and out of every call (stacked [layers, batch, kv_heads, slot, head_dim]).
+The KV cache goes in and out of every call (stacked [layers, batch, kv_heads, slot, head_dim]),
+and so do a hybrid model's linear-attention states (``"states"`` in the manifest: fixed size, zeros
+before prefill); such a model has one prefill graph per bucket, ``prefill_<S>``.
 
 An image-conditioned export (``"image"`` in the manifest) runs ``image_kv`` first: the pixels
 (``--pixels`` a .npy (B, …) already transformed, or ``--image`` a file transformed here with
@@ -92,6 +94,8 @@ def generate(run, manifest, prompts, max_new_tokens, pixels=None):
     positions = np.maximum(np.cumsum(mask[:, :s], 1) - 1, 0).astype(np.int32)
     shape = [d if d >= 0 else batch for d in manifest["cache"]["shape"]]
     cache = np.zeros(shape, {"float32": np.float32, "float16": np.float16}[manifest["dtype"]])
+    states = [np.zeros([d if d >= 0 else batch for d in st["shape"]], np.float32) for st in manifest.get("states", [])]
+    prefill = "prefill" if "prefill" in manifest["graphs"] else f"prefill_{s}"
     slots = np.tile(np.arange(s, dtype=np.int32), (batch, 1))  # (B, S): every row fills 0..S-1
     extra = []
     if image is not None:  # the image's keys/values once; tokens from the image token on see them
@@ -99,8 +103,8 @@ def generate(run, manifest, prompts, max_new_tokens, pixels=None):
         image_k, image_v = run("image_kv", [pixels])
         sees = ((np.cumsum(ids == image["token_id"], 1) > 0) & (mask[:, :s] > 0)).astype(np.float32)
         extra, seen = [image_k, image_v], sees[:, -1:, None]
-    logits, k, v = run("prefill", [ids, positions, mask, slots, cache, cache] + extra
-                       + ([sees[:, :, None]] if image is not None else []))
+    logits, k, v, *states = run(prefill, [ids, positions, mask, slots, cache, cache] + states + extra
+                                + ([sees[:, :, None]] if image is not None else []))
     eos = manifest["generation"].get("eos_token_id")
     eos = set(np.atleast_1d(eos).tolist()) if eos is not None else set()
     tokens, steps, done = [], [], np.zeros(batch, bool)
@@ -115,8 +119,8 @@ def generate(run, manifest, prompts, max_new_tokens, pixels=None):
         mask[:, s + i] = 1
         if image is not None:
             seen = np.maximum(seen, (nxt == image["token_id"]).astype(np.float32)[:, None, None])
-        logits, k, v = run("decode", [nxt[:, None], pos + i, mask, np.full((batch, 1), s + i, np.int32), k, v]
-                           + (extra + [seen] if image is not None else []))
+        logits, k, v, *states = run("decode", [nxt[:, None], pos + i, mask, np.full((batch, 1), s + i, np.int32),
+                                               k, v] + states + (extra + [seen] if image is not None else []))
     return np.stack(tokens, 1), np.stack(steps)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Uniform, initializer
 
-from mindqwen.config import ConfigError
+from mindqwen.config import ConfigError, ExecutionOptions
 from mindqwen.models.layers import Linear, exp_rounded, joined_weights, split_weights
 
 CHUNK_SIZE = 64
@@ -59,6 +59,14 @@ def _heads_first(q, k, v, g, beta):
     return q, k, v, g.astype(ms.float32).transpose(0, 2, 1), beta.astype(ms.float32).transpose(0, 2, 1)
 
 
+def chunk(x, i: int, gather: bool):
+    """x[:, :, i]. ``gather``: as a Gather, for graphs without a backward: the CPU's StridedSlice takes ~3 ms
+    for each chunk of the chunked rule at 0.8B widths, a Gather ~0.15 ms; but a Gather's backward scatters
+    into a whole zero tensor per chunk, slower in training than the slice's. (Unstack is as fast both ways,
+    and its backward fails to build in MindSpore 2.10 inside the layers compiled once.)"""
+    return ops.gather(x, Tensor(i, ms.int32), 2) if gather else x[:, :, i]
+
+
 def unit_lower_inverse(a):
     """(I + A)⁻¹ for A (..., C, C) strictly lower triangular, C a power of two: the exact inverse by
     recursive doubling of its diagonal blocks, with matmuls only (MindSpore has no triangular solve on CPU).
@@ -79,7 +87,7 @@ def unit_lower_inverse(a):
     index = ops.arange(0, c, dtype=ms.int32)
     inv = ops.eye(c, c, a.dtype)
     s = 1
-    for _ in range(c.bit_length() - 1):
+    while s < c:  # unrolled (s and c are constants); ms.export's graphs have no int.bit_length
         rows, cols = (index // s).reshape(c, 1), (index // s).reshape(1, c)  # block of s of each row, column
         below = ops.logical_and(rows == cols + 1, (cols % 2) == 0).astype(a.dtype)  # M_s (C, C)
         if s == 1:
@@ -91,12 +99,13 @@ def unit_lower_inverse(a):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int = CHUNK_SIZE,
-                           float64: bool = True, output_final_state: bool = True):
+                           float64: bool = True, output_final_state: bool = True, training: bool = True):
     """The gated delta rule a chunk at a time (HF's ``torch_chunk_gated_delta_rule`` with
     ``use_qk_l2norm_in_kernel=True``), for training and prefill.
 
     q, k (B, T, Hk, dk); v (B, T, Hv, dv); g (B, T, Hv) log-decays (≤ 0); beta (B, T, Hv);
-    initial_state (B, Hv, dk, dv) or None (zeros); chunk_size a power of two.
+    initial_state (B, Hv, dk, dv) or None (zeros); chunk_size a power of two; training: the graph has a
+    backward (how the chunks are taken apart: ``chunk``).
     Returns out (B, T, Hv, dv) in q's dtype and the final state (B, Hv, dk, dv) fp32 (out alone without
     ``output_final_state``).
 
@@ -149,12 +158,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     chunk_decay = cum_decay[..., -1].reshape(b, hv, n, 1, 1)  # exp(Γ_C) (B, Hv, N, 1, 1)
 
     state = ops.zeros((b, hv, dk, dv), ms.float32) if initial_state is None else initial_state.astype(ms.float32)
-    outs = ()
+    outs, fast = (), not training
     for i in range(n):
-        v_new = new_values[:, :, i] - ops.matmul(k_cumdecay[:, :, i], state)  # V' (B, Hv, C, dv)
-        outs = outs + (ops.matmul(q_decayed[:, :, i], state) + ops.matmul(intra[:, :, i], v_new),)
-        state = state * chunk_decay[:, :, i] + ops.matmul(k_decayed[:, :, i].swapaxes(-1, -2), v_new)
-    out = ops.stack(outs, 2).reshape(b, hv, n * chunk_size, dv)[:, :, :t]  # (B, Hv, T, dv)
+        v_new = chunk(new_values, i, fast) - ops.matmul(chunk(k_cumdecay, i, fast), state)  # V' (B, Hv, C, dv)
+        outs = outs + (ops.matmul(chunk(q_decayed, i, fast), state) + ops.matmul(chunk(intra, i, fast), v_new),)
+        state = state * chunk(chunk_decay, i, fast) + ops.matmul(chunk(k_decayed, i, fast).swapaxes(-1, -2), v_new)
+    out = ops.stack(outs, 2).reshape(b, hv, n * chunk_size, dv)  # (B, Hv, N·C, dv)
+    if pad:  # (a slice that keeps everything still copies: 37 ms at 512 tokens)
+        out = out[:, :, :t]
     out = out.transpose(0, 2, 1, 3).astype(dtype)  # (B, T, Hv, dv)
     return (out, state) if output_final_state else out
 
@@ -175,12 +186,12 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, float64: bo
     state = ops.zeros((b, hv, dk, dv), ms.float32) if initial_state is None else initial_state.astype(ms.float32)
     outs = ()
     for i in range(t):
-        k_i = k[:, :, i].expand_dims(-1)  # (B, Hv, dk, 1)
-        state = state * exp_rounded(g[:, :, i], float64).reshape(b, hv, 1, 1)
+        k_i = chunk(k, i, True).expand_dims(-1)  # (B, Hv, dk, 1)
+        state = state * exp_rounded(chunk(g, i, True), float64).reshape(b, hv, 1, 1)
         kv_mem = (state * k_i).sum(-2)  # Sᵀk (B, Hv, dv)
-        delta = (v[:, :, i] - kv_mem) * beta[:, :, i].expand_dims(-1)
+        delta = (chunk(v, i, True) - kv_mem) * chunk(beta, i, True).expand_dims(-1)
         state = state + k_i * delta.expand_dims(-2)
-        outs = outs + ((state * q[:, :, i].expand_dims(-1)).sum(-2),)  # Sᵀq (B, Hv, dv)
+        outs = outs + ((state * chunk(q, i, True).expand_dims(-1)).sum(-2),)  # Sᵀq (B, Hv, dv)
     return ops.stack(outs, 1).astype(dtype), state  # (B, T, Hv, dv)
 
 
@@ -284,7 +295,7 @@ class GatedDeltaNet(nn.Cell):
                  rms_norm_eps: float = 1e-6, dtype=ms.float32, chunk_size: int = CHUNK_SIZE, float64: bool = True):
         """float64: decays (exp, softplus) through float64 kernels, where the device has them (the CPU)."""
         super().__init__()
-        self.float64 = float64
+        self.device_float64 = self.float64 = float64
         if linear_num_value_heads % linear_num_key_heads:
             raise ConfigError(f"linear_num_value_heads {linear_num_value_heads} must be a multiple of "
                               f"linear_num_key_heads {linear_num_key_heads}")
@@ -318,6 +329,9 @@ class GatedDeltaNet(nn.Cell):
             raise ConfigError(f"a Gated DeltaNet layer needs {', '.join(missing)} in the config "
                               f"({type(config).__name__} has none)")
         return cls(*(getattr(config, name) for name in names), dtype=dtype, float64=float64)
+
+    def apply_options(self, options: ExecutionOptions) -> None:
+        self.float64 = self.device_float64 and options.float64
 
     def parts(self) -> tuple:
         return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.conv1d, self.norm, self.out_proj
@@ -372,9 +386,10 @@ class GatedDeltaNet(nn.Cell):
             o, recurrent_state = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, self.float64)
         elif with_states:
             o, recurrent_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, self.chunk_size,
-                                                        self.float64)
+                                                        self.float64, training=self.training)
         else:
-            o = chunk_gated_delta_rule(q, k, v, g, beta, None, self.chunk_size, self.float64, output_final_state=False)
+            o = chunk_gated_delta_rule(q, k, v, g, beta, None, self.chunk_size, self.float64, output_final_state=False,
+                                       training=self.training)
         o = self.norm.apply(w[5], o, z.astype(o.dtype))  # (B, T, Hv, dv)
         out = self.out_proj.apply(w[6], o.reshape(b, t, self.value_dim))
         if not with_states:

@@ -87,17 +87,25 @@ class CacheLayout:
         return 2 * int(np.prod(self.shape)) * dtype.itemsize
 
 
-def linear_states(config: QwenConfig, batch_size: int) -> Tuple[Tensor, ...]:
-    """The empty states of a hybrid model's linear-attention layers, rows on axis 1: the convolution's
-    last inputs (L, B, conv_dim, K−1) and the delta rule's state (L, B, Hv, dk, dv), fp32, L the
-    linear-attention layers; their size does not depend on the sequence length. () for other models."""
+STATE_NAMES = ("conv_state", "recurrent_state")  # a hybrid model's linear-attention states, after the cache
+
+
+def linear_state_shapes(config: QwenConfig, batch_size: int) -> Tuple[tuple, ...]:
+    """Shapes of a hybrid model's linear-attention states (``STATE_NAMES``), rows on axis 1: the
+    convolution's last inputs (L, B, conv_dim, K−1) and the delta rule's state (L, B, Hv, dk, dv), L
+    the linear-attention layers; their size does not depend on the sequence length. () for other models."""
     layers = sum(kind == "linear_attention" for kind in config.layer_types)
     if not layers:
         return ()
     conv_dim = config.linear_attention_shapes()["conv1d.weight"][0]
-    return (ops.zeros((layers, batch_size, conv_dim, config.linear_conv_kernel_dim - 1), ms.float32),
-            ops.zeros((layers, batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
-                       config.linear_value_head_dim), ms.float32))
+    return ((layers, batch_size, conv_dim, config.linear_conv_kernel_dim - 1),
+            (layers, batch_size, config.linear_num_value_heads, config.linear_key_head_dim,
+             config.linear_value_head_dim))
+
+
+def linear_states(config: QwenConfig, batch_size: int) -> Tuple[Tensor, ...]:
+    """The empty (zero, fp32) linear-attention states of ``linear_state_shapes``; () for other models."""
+    return tuple(ops.zeros(shape, ms.float32) for shape in linear_state_shapes(config, batch_size))
 
 
 class CachedStep(nn.Cell):
