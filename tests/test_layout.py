@@ -9,11 +9,12 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # package (or top-level module) → what it must not import
 APPS = {"train", "export", "serve", "tasks", "demos"}  # what composes the layers below it
 FORBIDDEN = {
-    "io": APPS | {"models", "lora", "multimodal", "generation", "data", "preference"},
-    "data": APPS | {"models", "lora", "multimodal", "generation", "preference"},
-    "config": APPS | {"models", "lora", "multimodal", "generation", "preference"},
-    "models": APPS | {"lora", "multimodal", "generation", "data", "preference"},
-    "lora": APPS | {"multimodal", "generation", "preference"},
+    "io": APPS | {"models", "lora", "multimodal", "generation", "data", "preference", "rl"},
+    "data": APPS | {"models", "lora", "multimodal", "generation", "preference", "rl"},
+    "config": APPS | {"models", "lora", "multimodal", "generation", "preference", "rl"},
+    "models": APPS | {"lora", "multimodal", "generation", "data", "preference", "rl"},
+    "lora": APPS | {"multimodal", "generation", "preference", "rl"},
+    "rl": APPS | {"preference"},
     "generation": APPS | {"multimodal"},
     "multimodal": APPS,
     "export": APPS - {"export"},
