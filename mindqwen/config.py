@@ -22,13 +22,14 @@ ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "QWenLMHeadModel": "qwen",
                  "Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5",
-                 "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
+                 "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+                 "Qwen3NextForCausalLM": "qwen3_next"}
 # HF model_type (config.json) -> mindqwen model_type, where they differ.
 HF_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 # Hybrid decoders: Gated DeltaNet linear-attention layers between full-attention layers whose output is
 # gated (q_proj gives query and gate), with zero-centred RMSNorm weights (x̂ · (1 + w)).
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")
-MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe")
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_next")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # Keys each scaled rope type needs beside rope_type (yarn's factor may come from the two lengths).
@@ -257,7 +258,7 @@ class QwenConfig:
                 raise ConfigError(f"{name} must be a positive integer for {self.model_type}, got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}")
-        if self.model_type in ("qwen2_moe", "qwen3_5_moe") and not self.shared_expert_intermediate_size > 0:
+        if self.model_type in ("qwen2_moe", "qwen3_5_moe", "qwen3_next") and not self.shared_expert_intermediate_size > 0:
             raise ConfigError(f"{self.model_type} needs shared_expert_intermediate_size > 0 (its gated shared expert)")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
@@ -324,12 +325,16 @@ class QwenConfig:
         return shapes
 
     def linear_attention_shapes(self) -> Dict[str, tuple]:
-        """Name (under ``linear_attn.``) → shape of a Gated DeltaNet layer's weights."""
+        """Name (under ``linear_attn.``) → shape of a Gated DeltaNet layer's weights in its checkpoint
+        (Qwen3-Next fuses the input projections in two: ``mindqwen.io.linear_attention``)."""
         h, k, v = self.hidden_size, self.linear_num_key_heads * self.linear_key_head_dim, \
             self.linear_num_value_heads * self.linear_value_head_dim
         heads = self.linear_num_value_heads
-        return {"in_proj_qkv.weight": (2 * k + v, h), "in_proj_z.weight": (v, h), "in_proj_b.weight": (heads, h),
-                "in_proj_a.weight": (heads, h), "conv1d.weight": (2 * k + v, 1, self.linear_conv_kernel_dim),
+        projections = ({"in_proj_qkvz.weight": (2 * k + 2 * v, h), "in_proj_ba.weight": (2 * heads, h)}
+                       if self.model_type == "qwen3_next" else
+                       {"in_proj_qkv.weight": (2 * k + v, h), "in_proj_z.weight": (v, h), "in_proj_b.weight": (heads, h),
+                        "in_proj_a.weight": (heads, h)})
+        return {**projections, "conv1d.weight": (2 * k + v, 1, self.linear_conv_kernel_dim),
                 "dt_bias": (heads,), "A_log": (heads,), "norm.weight": (self.linear_value_head_dim,),
                 "out_proj.weight": (h, v)}
 
@@ -495,7 +500,7 @@ class QwenConfig:
         if self.model_type in ("qwen3", "qwen3_moe") + HYBRID_TYPES:
             hf.update(head_dim=self.head_dim, attention_bias=self.qkv_bias)
         if self.is_hybrid:
-            hf["model_type"] = {v: k for k, v in HF_MODEL_TYPES.items()}[self.model_type]
+            hf["model_type"] = {v: k for k, v in HF_MODEL_TYPES.items()}.get(self.model_type, self.model_type)
             rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
             hf.update({name: getattr(self, name) for name in (
                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -505,7 +510,7 @@ class QwenConfig:
                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=self.mlp_only_layers,
                       router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
-            if self.model_type in ("qwen2_moe", "qwen3_5_moe"):
+            if self.model_type in ("qwen2_moe", "qwen3_5_moe", "qwen3_next"):
                 hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return hf
 

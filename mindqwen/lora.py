@@ -727,6 +727,12 @@ def save_adapter(model: nn.Cell, folder: str) -> None:
     config: LoraConfig = getattr(model, "lora_config", None)
     if config is None:
         raise ValueError("the model has no LoRA adapter (apply_lora or load_adapter first)")
+    fused = [path for path in lora_layers(model) if getattr(model, "config", None) is not None
+             and model.config.model_type == "qwen3_next" and ".linear_attn.in_proj_" in path]
+    if fused:  # its checkpoints fuse these four into in_proj_qkvz / in_proj_ba, which PEFT's keys name
+        raise ValueError(f"{fused[0]}: a Qwen3-Next adapter on the linear-attention input projections has no PEFT "
+                         "layout yet (the checkpoint fuses them into in_proj_qkvz and in_proj_ba); "
+                         "merge_and_unload(model).save_pretrained(folder) writes the merged weights")
     peft = config.to_peft()
     if config.init == "pissa":  # exported relative to the original base: rank 2r, same scaling
         peft.update(r=2 * config.r, init_lora_weights=True,

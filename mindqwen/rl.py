@@ -27,16 +27,24 @@ and the loss of a micro-batch of B completions with token mask m:
     dapo     Σ ℓ·m / (tokens of the whole generation batch)
 
 The first three are divided by the number of micro-batches a step accumulates; DAPO's normaliser already
-counts them.
+counts them. ``GRPOLoss`` takes the policy's log-probs of the sampled completions in the training graph;
+``load_reward_funcs`` / ``score`` run the user's reward functions on the host.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import importlib.util
+import os
+import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
-from mindspore import ops
+from mindspore import nn, ops
+
+from mindqwen.config import IGNORE_INDEX
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -228,3 +236,179 @@ def grpo_loss(config: GRPOConfig, logps, old_logps, ref_logps, advantages, mask,
     else:
         clips = tuple(_masked_mean(c, mask) for c in (low, high, ops.maximum(low, high)))
     return (loss, kl) + clips
+
+
+class GRPOLoss(nn.Cell):
+    """The policy's loss on a micro-batch of sampled completions: rows of [left-padded prompt | completion,
+    right-padded] → the loss and ``LOSS_METRICS`` (``grpo_loss``), the completion tokens' log-probs taken
+    block by block (``QwenForCausalLM.token_log_probs``) from the tempered distribution they were sampled from.
+
+    Args:
+        policy: the model that trains (``QwenForCausalLM``, LoRA or not).
+        config: the ``grpo`` section.
+    """
+
+    def __init__(self, policy: nn.Cell, config: GRPOConfig):
+        super().__init__(auto_prefix=False)
+        self.policy, self.config = policy, config
+
+    def construct(self, input_ids, attention_mask, completion_mask, advantages, old_logps=None, ref_logps=None,
+                  num_items=None, accumulation: int = 1):
+        """input_ids, attention_mask (B, P + T) int32; completion_mask (B, T), 1 on tokens that count;
+        advantages (B,); old_logps, ref_logps (B, T) or None; num_items: DAPO's normaliser (``grpo_loss``)."""
+        b, t = completion_mask.shape
+        mask = completion_mask.astype(ms.float32)
+        completion = ops.where(completion_mask > 0, input_ids[:, -t:], IGNORE_INDEX)
+        labels = ops.cat((ops.full((b, input_ids.shape[1] - t), IGNORE_INDEX, dtype=input_ids.dtype), completion), 1)
+        logps = self.policy.token_log_probs(input_ids, labels, True, attention_mask, self.config.temperature)[:, -t:]
+        return grpo_loss(self.config, logps, old_logps, ref_logps, advantages, mask, num_items, accumulation)
+
+
+# ---------------------------------------------------------------------------- reward functions
+class RewardError(ValueError):
+    """A reward function that cannot be loaded, or whose call cannot be used: one line naming it."""
+
+
+def load_reward_funcs(specs: Sequence[str], base: str = ".") -> List[Tuple[str, Callable]]:
+    """(name, function) for each ``path/to/file.py:function`` (a path relative to ``base``, the recipe's folder)
+    or ``module:function`` (importable). The name is the function's, as the metrics spell it.
+
+    Raises:
+        RewardError: naming the entry (``grpo.reward_funcs[i]``) and what is wrong with it.
+    """
+    loaded = []
+    for i, spec in enumerate(specs):
+        where = f"grpo.reward_funcs[{i}] {spec!r}"
+        source, _, name = str(spec).rpartition(":")
+        if not source or not name.isidentifier():
+            raise RewardError(f"{where}: expected path/to/file.py:function or module:function")
+        try:
+            if source.endswith(".py"):
+                path = source if os.path.isabs(source) else os.path.join(base, source)
+                if not os.path.isfile(path):
+                    raise RewardError(f"{where}: {path} not found")
+                spec_ = importlib.util.spec_from_file_location(f"mindqwen_reward_{i}", path)
+                module = importlib.util.module_from_spec(spec_)
+                spec_.loader.exec_module(module)
+            else:
+                module = importlib.import_module(source)
+        except RewardError:
+            raise
+        except Exception as e:  # the user's module failed to import: its own error, in one line
+            raise RewardError(f"{where}: importing it failed: {type(e).__name__}: {e}") from None
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            raise RewardError(f"{where}: {source} has no function {name!r}")
+        loaded.append((name, fn))
+    return loaded
+
+
+def score(funcs: Sequence[Tuple[str, Callable]], completions: list, prompts: list, columns: Dict[str, list],
+          timeout: Optional[float] = None) -> np.ndarray:
+    """Each function on the whole batch, called as ``f(completions, prompts=prompts, **columns)``: (N, F)
+    float32, NaN where a function returned None. ``timeout``: seconds per call (None: no limit).
+
+    Raises:
+        RewardError: a function raised, took longer than ``timeout``, returned a count other than N, or a value
+            that is neither a finite number nor None; naming the function and the first completion concerned.
+    """
+    out = np.full((len(completions), len(funcs)), np.nan, np.float32)
+    for j, (name, fn) in enumerate(funcs):
+        first = _show(completions[0]) if completions else "none"
+        try:
+            values = _call(fn, timeout, completions, prompts=prompts, **columns)
+        except _Hung:
+            raise RewardError(f"reward function {name}: no answer within {timeout} s for a batch of "
+                              f"{len(completions)} completions (the first: {first})") from None
+        except Exception as e:
+            raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (a batch of "
+                              f"{len(completions)} completions; the first: {first})") from None
+        if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != len(completions):
+            count = len(values) if hasattr(values, "__len__") else type(values).__name__
+            raise RewardError(f"reward function {name} returned {count} values for {len(completions)} completions")
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            try:
+                out[i, j] = v
+            except (TypeError, ValueError):
+                out[i, j] = np.nan
+            if not np.isfinite(out[i, j]):
+                raise RewardError(f"reward function {name} returned {v!r} for completion {i}: {_show(completions[i])}"
+                                  " (a reward is a finite number, or None for a completion it does not score)")
+    return out
+
+
+class _Hung(Exception):
+    """A call given up on (``_call``)."""
+
+
+def _call(fn: Callable, timeout: Optional[float], *args, **kwargs):
+    """fn(*args, **kwargs) in a daemon thread, given up after ``timeout`` seconds (``_Hung``): a reward
+    function that hangs is left behind, and neither the run nor the interpreter's exit waits for it."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller's thread
+            result["error"] = e
+    thread = threading.Thread(target=run, daemon=True, name="mindqwen-reward")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _Hung
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _show(completion, width: int = 60) -> str:
+    text = completion if isinstance(completion, str) else str(completion)
+    return repr(text if len(text) <= width else text[:width] + "…")
+
+
+# ---------------------------------------------------------------------------- rollouts
+@dataclass
+class Rollout:
+    """A generation batch: each prompt's ``num_generations`` completions, as the training graph takes them.
+
+    Attributes:
+        input_ids, attention_mask: (N, P + T) int32, the prompt left-padded to P, the completion right-padded to T.
+        completion_mask: (N, T) int32, 1 on the completion's tokens (its EOS included); 0 on a truncated
+            completion's with ``mask_truncated_completions``.
+        completions: each completion's token ids (EOS included).
+        truncated: (N,) bool, cut at ``max_completion_length`` without an EOS.
+    """
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    completion_mask: np.ndarray
+    completions: List[List[int]]
+    truncated: np.ndarray
+
+
+def rollout(model, prompts: Sequence[Sequence[int]], config: GRPOConfig, eos_token_id, pad_token_id: int = 0,
+            seed: int = 0, step: int = 0) -> Rollout:
+    """Sample ``config.num_generations`` completions of each prompt (token ids) with the model's live weights,
+    through the KV-cache generator, all rows in one continuous batch. Row i's sampler is seeded from
+    (``seed``, ``step``, i): the same step of a resumed run draws the same completions."""
+    from mindqwen.generation import GenerationConfig, Generator
+    rows = [list(p) for p in prompts for _ in range(config.num_generations)]
+    base = GenerationConfig(max_new_tokens=config.max_completion_length, do_sample=True,
+                            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    seeds = np.random.SeedSequence([seed, step]).generate_state(len(rows))
+    results = Generator(model).run(rows, [dataclasses.replace(base, seed=int(s)) for s in seeds])
+    completions = [list(r.tokens) for r in results]
+    truncated = np.array([not c or c[-1] not in base.eos_ids for c in completions])
+    p, t = max(len(r) for r in rows), max(max(len(c) for c in completions), 1)
+    ids = np.full((len(rows), p + t), pad_token_id, np.int32)
+    mask = np.zeros_like(ids)
+    for i, (prompt, c) in enumerate(zip(rows, completions)):
+        ids[i, p - len(prompt):p], ids[i, p:p + len(c)] = prompt, c
+        mask[i, p - len(prompt):p + len(c)] = 1
+    completion_mask = mask[:, p:].copy()
+    if config.mask_truncated_completions:
+        completion_mask[truncated] = 0
+    return Rollout(ids, mask, completion_mask, completions, truncated)

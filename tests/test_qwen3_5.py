@@ -1,5 +1,5 @@
-"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, dense and mixture-of-experts) against HF transformers 5.25
-(fixtures/qwen3_5, made by make_qwen3_5_golden.py): loading the text and the vision-language folders, the
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, dense and mixture-of-experts) and Qwen3-Next against HF
+transformers 5.25 (fixtures/qwen3_5, made by make_qwen3_5_golden.py): loading the text and the vision-language folders, the
 config's round trip, logits over 150 tokens (three delta-rule chunks), a left-padded row, the loss, and the
 gradients of every kind of parameter, in GRAPH_MODE.
 
@@ -18,9 +18,11 @@ from safetensors import safe_open
 from conftest import fixture_path
 from mindqwen.config import QwenConfig
 from mindqwen.generation import GenerationConfig, Generator, generate
+from mindqwen.io.linear_attention import fuse_projections
+from mindqwen.io.safetensors import LazyTensor
 from mindqwen.models.qwen import QwenForCausalLM
 
-LOGIT_TOL = {"qwen3_5_tiny": 1e-5, "qwen3_5_moe_tiny": 2e-5}
+LOGIT_TOL = {"qwen3_5_tiny": 1e-5, "qwen3_5_moe_tiny": 2e-5, "qwen3_next_tiny": 2e-5}
 GRAD_TOL = 1e-4  # HF's own fp32 gradients are up to 1.9e-5 off float64 (README of the fixtures)
 
 
@@ -61,7 +63,7 @@ def test_config_reads_the_hybrid_layout():
     assert {name: tuple(p.shape) for name, p in model.parameters_and_names()} == on_disk
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "qwen3_next_tiny"])
 def test_logits_and_loss_equal_hf(name):
     model, g = load(name)
     err = rel(model(ids(g["input_ids"])).asnumpy(), g["logits"])
@@ -85,7 +87,7 @@ def test_vision_language_folder_loads_its_language_model(capsys):
     assert rel(model(ids(g["input_ids"])).asnumpy(), g["logits"]) <= LOGIT_TOL["qwen3_5_tiny"]
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "qwen3_next_tiny"])
 def test_gradients_equal_hf(name):
     model, g = load(name)
     model.aux_loss_coef = 0.0  # the golden differentiates the cross-entropy alone
@@ -93,6 +95,10 @@ def test_gradients_equal_hf(name):
     x = ids(g["input_ids"])
     grads = ms.value_and_grad(model, None, params)(x, None, x)[1]  # labels = the input, as HF's golden
     by_name = {p.name: grad.asnumpy() for p, grad in zip(params, grads)}
+    # Qwen3-Next's golden has the checkpoint's fused projections: the model's four gradients, fused alike
+    fused = fuse_projections({k: LazyTensor(v.shape, v.dtype, lambda v=v: v) for k, v in by_name.items()},
+                             model.config)
+    by_name = {k: t.load() for k, t in fused.items()}
     worst = {}
     for key in (k for k in g if k.startswith("grad/")):
         name_ = key[len("grad/"):]
@@ -120,7 +126,7 @@ def test_what_is_not_built_yet_is_refused_by_name():
         fit(model, packed, TrainerConfig(max_steps=1))
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny"])
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "qwen3_next_tiny"])
 def test_greedy_generation_equals_hf(name):
     """20 greedy tokens after a 30-token prompt, and after a left-padded one: HF's with its cache (its
     recurrent and convolution states), which equal its tokens without one."""
@@ -185,3 +191,23 @@ def test_fused_expert_checkpoints_load(tmp_path):
     model, g = load("qwen3_5_moe_tiny")
     from_fused = QwenForCausalLM.from_pretrained(str(tmp_path))
     assert all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(model.get_parameters(), from_fused.get_parameters()))
+
+
+def test_qwen3_next_saves_its_fused_projections_as_it_loads_them(tmp_path):
+    """Qwen3-Next's checkpoint fuses the linear-attention input projections (in_proj_qkvz, in_proj_ba); the
+    model unfuses them on load and fuses them back on save, tensor for tensor. Its hub-style config (top-level
+    rope fields, full_attention_interval without layer_types) reads to the same model."""
+    from mindqwen.lora import LoraConfig, apply_lora, save_adapter
+    folder = fixture_path("qwen3_5", "qwen3_next_tiny")
+    model, g = load("qwen3_next_tiny")
+    model.save_pretrained(str(tmp_path / "saved"))
+    with safe_open(os.path.join(folder, "model.safetensors"), "np") as a, \
+            safe_open(str(tmp_path / "saved" / "model.safetensors"), "np") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(np.array_equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    assert QwenConfig.from_hf(os.path.join(folder, "config_hf4_style.json")) == model.config
+    assert QwenConfig.from_hf(str(tmp_path / "saved")) == model.config
+    lora = apply_lora(model, LoraConfig(r=2, target_modules=["in_proj_qkv", "q_proj"]))
+    with pytest.raises(ValueError, match="in_proj_qkv: a Qwen3-Next adapter on the linear-attention input"):
+        save_adapter(lora, str(tmp_path / "adapter"))
+    assert not os.path.exists(tmp_path / "adapter")

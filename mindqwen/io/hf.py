@@ -22,6 +22,7 @@ from tqdm import tqdm
 from mindqwen.config import QwenConfig
 from mindqwen.io.atomic import staged_files
 from mindqwen.io.experts import expert_slice, stack_experts, unfuse_experts, unstack_experts
+from mindqwen.io.linear_attention import fuse_projections, unfuse_projections
 from mindqwen.io.jsonfile import read_json
 from mindqwen.io.safetensors import CheckpointError, LazyTensor, SafetensorsFile, save_file
 
@@ -135,9 +136,10 @@ def load_weights(model: ms.nn.Cell, folder: str, strict: bool = True,
         if shape != tuple(expected[name]):
             raise CheckpointError(f"{f.path}: tensor {key} has shape {list(shape)}, "
                                   f"the model expects {list(expected[name])}")
-        target = params[(expert_slice(name) or (name,))[0]]
-        np_dtype = np.dtype(np.float16 if target.dtype == ms.float16 else np.float32)
+        target = params.get((expert_slice(name) or (name,))[0])  # None: a fused projection (unfuse_projections)
+        np_dtype = np.dtype(np.float16 if target is not None and target.dtype == ms.float16 else np.float32)
         state[name] = sliced if sliced is not None else LazyTensor(shape, np_dtype, partial(f.get, key, np_dtype))
+    state = unfuse_projections(state, config)  # Qwen3-Next's fused linear-attention projections
     # HF's per-expert tensors → the model's stacked ones; a projection missing some experts
     # (strict=False) gets the present ones slice by slice
     state.update(stack_experts(state, "stacked", getattr(config, "num_experts", 0)))
@@ -224,10 +226,10 @@ def save_tensors(folder: str, tensors: Dict[str, LazyTensor], hf_config: dict, d
 def model_state(model: ms.nn.Cell, dtype: Optional[str] = None) -> Dict[str, LazyTensor]:
     """HF name → lazy tensor (in ``dtype``, default the parameter's) of every parameter of
     ``model``: its own names, a mixture of experts' stacked experts split into HF's per-expert
-    tensors."""
+    tensors, Qwen3-Next's linear-attention projections fused as its checkpoints store them."""
     state = {p.name: _lazy(p, dtype) for p in model.get_parameters()}
     state.update(unstack_experts(state, "stacked", getattr(model.config, "num_experts", 0)))
-    return state
+    return fuse_projections(state, model.config)
 
 
 def _lazy(p: ms.Parameter, dtype: Optional[str]) -> LazyTensor:

@@ -694,12 +694,17 @@ class QwenForCausalLM(nn.Cell):
         shift_logits = self.logits(h[:, :-1]).reshape(-1, self.vocab_size).astype(ms.float32)  # (T, V)
         return -ops.reduce_sum(label_log_probs(shift_logits, shift_labels)) / count
 
-    def token_log_probs(self, input_ids, labels, differentiable: bool = True):
+    def token_log_probs(self, input_ids, labels, differentiable: bool = True, attention_mask=None,
+                        temperature: float = 1.0):
         """Each labelled next token's log-probability: input_ids, labels (R, S) → (R, S−1) fp32,
         at t the log p of labels[:, t+1] (HF shift), 0 where it is -100. Taken block by block
         (``TokenLogProbs``) as the loss is, so the (R, S, V) logits are never whole;
-        ``differentiable=False`` forms no gradient (a reference model's pass)."""
-        h, _, _ = self.model.run(input_ids, None)
+        ``differentiable=False`` forms no gradient (a reference model's pass). ``attention_mask``
+        (R, S): 0 on padding (left-padded prompts); ``temperature``: of the distribution sampled
+        from, logits / T (the hidden state is divided: the head has no bias)."""
+        h, _, _ = self.model.run(input_ids, attention_mask)
+        if temperature != 1.0:
+            h = h / temperature
         shift_labels = labels[:, 1:].reshape(-1).astype(ms.int32)  # (T,)
         if self.chunked_loss.rows and self.chunk_head and self.token_logps is not None:
             h2, w = self._head_operands(h)
